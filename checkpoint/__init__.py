@@ -1,0 +1,1 @@
+"""Checkpoint state conversion: readers, pure planner, streaming executor, writers."""

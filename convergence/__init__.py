@@ -1,0 +1,1 @@
+"""Convergence gate: metric readers, checks, calibration, operator numerics, reports."""

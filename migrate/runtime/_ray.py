@@ -1,0 +1,197 @@
+"""Worker group of Ray actors: one actor per rank, one STRICT_PACK placement group per node."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from migrate.runtime._local import FAILURE_GRACE_S
+from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, node_address, pack_call, setup_rank, teardown_rank
+from migrate.runtime.worker_group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+
+_CLOSE_WAIT_S = 5.0
+
+
+class _RankActor:
+    """Lives in its own Ray worker process; holds one rank's process group."""
+
+    def __init__(self) -> None:
+        self._ctx: RankContext | None = None
+
+    def node_info(self) -> tuple[str, str, int, int]:
+        """(address, hostname, a free port, pid) of the actor's node/process."""
+        return node_address(), hostname(), free_port(), os.getpid()
+
+    def setup(self, ctx: RankContext, spec: WorkerGroupSpec) -> RankOutcome:
+        self._ctx = ctx
+        setup_rank(ctx, spec)
+        return RankOutcome(ok=True)
+
+    def run(self, payload: bytes) -> RankOutcome:
+        assert self._ctx is not None, "setup must run first"
+        return execute(self._ctx, payload)
+
+    def teardown(self) -> None:
+        teardown_rank()
+
+
+def _bundle(spec: WorkerGroupSpec) -> dict[str, float]:
+    if spec.device_type == "cuda":
+        return {"GPU": 1.0, "CPU": spec.cpus_per_rank}
+    if spec.device_type == "npu":
+        return {"NPU": 1.0, "CPU": spec.cpus_per_rank}
+    if spec.device_type == "xpu":
+        return {"GPU": 1.0, "CPU": spec.cpus_per_rank}
+    return {"CPU": spec.cpus_per_rank}
+
+
+class RayWorkerGroup:
+    """``spec.world_size`` Ray actors, ranks laid node-major over per-node placement groups."""
+
+    def __init__(self, spec: WorkerGroupSpec):
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialized: call migrate.runtime.ray_cluster.connect() first")
+        self.spec = spec
+        self._closed = False
+        self._pgs = []
+        self._actors: list[Any] = []
+        self._contexts: list[RankContext] = []
+        bundle = _bundle(spec)
+        try:
+            for node_rank in range(spec.num_nodes):
+                pg = placement_group([dict(bundle) for _ in range(spec.ranks_per_node)], strategy="STRICT_PACK")
+                self._pgs.append(pg)
+            for node_rank, pg in enumerate(self._pgs):
+                try:
+                    ray.get(pg.ready(), timeout=spec.timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise WorkerGroupError(
+                        "placing the worker group",
+                        [RankFailure(node_rank * spec.ranks_per_node, "unplaced", "timeout",
+                                     f"node {node_rank}: {spec.ranks_per_node} bundles of {bundle} could not be placed on one node "
+                                     f"within {spec.timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")],
+                    ) from None
+            actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
+            for rank in range(spec.world_size):
+                node_rank, local_rank = rank_layout(spec, rank)
+                options: dict[str, Any] = {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=self._pgs[node_rank], placement_group_bundle_index=local_rank
+                    ),
+                    "num_cpus": bundle["CPU"],
+                    "name": None,
+                }
+                if "GPU" in bundle:
+                    options["num_gpus"] = 1
+                if "NPU" in bundle:
+                    options["resources"] = {"NPU": 1}
+                self._actors.append(actor_cls.options(**options).remote())
+            infos = self._gather([a.node_info.remote() for a in self._actors], "starting rank actors", spec.timeout_s, raw=True)
+            master_addr, _, master_port, _ = infos[0]
+            for rank, (addr, host, _, pid) in enumerate(infos):
+                node_rank, local_rank = rank_layout(spec, rank)
+                self._contexts.append(
+                    RankContext(
+                        rank=rank, world_size=spec.world_size, local_rank=local_rank,
+                        local_world_size=spec.ranks_per_node, node_rank=node_rank, backend=spec.backend,
+                        device_type=spec.device_type,
+                        device="cpu" if spec.device_type == "cpu" else f"{spec.device_type}:0",
+                        master_addr=master_addr, master_port=master_port, node=f"{host} ({addr}, pid {pid})",
+                    )
+                )
+            self._gather(
+                [a.setup.remote(ctx, spec) for a, ctx in zip(self._actors, self._contexts)],
+                "initializing torch.distributed", spec.timeout_s,
+            )
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def contexts(self) -> list[RankContext]:
+        return list(self._contexts)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; results in rank order."""
+        if self._closed:
+            raise RuntimeError("worker group is closed")
+        payload = ray.put(pack_call(fn, args, kwargs))
+        name = getattr(fn, "__qualname__", repr(fn))
+        refs = [a.run.remote(payload) for a in self._actors]
+        return self._gather(refs, f"{name} on {self.spec.world_size} rank(s)", timeout_s or self.spec.timeout_s)
+
+    def _node(self, rank: int) -> str:
+        return self._contexts[rank].node if rank < len(self._contexts) else f"node {rank // self.spec.ranks_per_node}"
+
+    def _gather(self, refs: list[Any], what: str, timeout_s: float, raw: bool = False) -> list[Any]:
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        values: dict[int, Any] = {}
+        failures: list[RankFailure] = []
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in ready:
+                rank = index[ref]
+                try:
+                    value = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    failures.append(RankFailure(rank, self._node(rank), "died", f"actor process died during {what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    continue
+                except ray.exceptions.RayTaskError as exc:
+                    failures.append(RankFailure(rank, self._node(rank), "exception", str(exc)))
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    continue
+                if raw:
+                    values[rank] = value
+                elif value.ok:
+                    values[rank] = value.value
+                else:
+                    failures.append(RankFailure(rank, self._node(rank), "exception", value.error.strip()))
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        for ref in pending:
+            rank = index[ref]
+            if failures:
+                failures.append(RankFailure(rank, self._node(rank), "aborted", f"stopped after rank(s) {[f.rank for f in failures]} failed"))
+            else:
+                failures.append(RankFailure(rank, self._node(rank), "timeout", f"did not finish {what} within {timeout_s:.1f} s"))
+        if failures:
+            self.close(graceful=False)
+            raise WorkerGroupError(what, failures)
+        return [values[r] for r in range(len(refs))]
+
+    def close(self, graceful: bool = True) -> None:
+        """Leave the process groups (when ``graceful``), kill every actor, free the placement groups."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful and self._actors and self._contexts:
+            refs = [a.teardown.remote() for a in self._actors]
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - dead actors cannot tear down; they are killed below
+                pass
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> "RayWorkerGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,87 @@
+"""Start an embedded Ray cluster or join an existing one.
+
+``connect("embedded")`` starts a local cluster for this process (stopped again on
+``close``); ``connect("auto")`` or ``connect("ray://host:10001")`` joins a running one
+and leaves it running. Only ``migrate/`` uses Ray; the libraries never do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+class RayConnectionError(RuntimeError):
+    """Ray could not be started or reached; the message names the address."""
+
+
+def validate_address(address: str) -> str:
+    """``embedded``, ``auto``, ``ray://host:port`` or ``host:port``; anything else raises."""
+    if address in ("embedded", "auto"):
+        return address
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"Ray address {address!r} must be 'embedded', 'auto', 'ray://HOST:PORT' or 'HOST:PORT'"
+        )
+    return address
+
+
+@dataclass
+class RayConnection:
+    """An initialized Ray session; ``close`` stops it only if this process started it."""
+
+    address: str
+    started_here: bool
+    resources: Mapping[str, float]
+
+    def close(self) -> None:
+        import ray
+
+        if self.started_here and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "RayConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _driver_pythonpath() -> str:
+    """The driver's import path, so embedded workers import what the driver imports."""
+    return os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+
+
+def connect(address: str = "embedded", *, num_cpus: int | None = None, resources: Mapping[str, float] | None = None) -> RayConnection:
+    """Start (``embedded``) or join Ray; reuse the session if this process already has one.
+
+    ``num_cpus`` for an embedded cluster is a logical count: it may exceed the cores so
+    that a CPU worker group of more ranks than cores can be placed.
+    """
+    import ray
+
+    validate_address(address)
+    if ray.is_initialized():
+        return RayConnection(address=address, started_here=False, resources=ray.cluster_resources())
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs: dict[str, Any] = {"namespace": "migrate", "log_to_driver": True, "configure_logging": False}
+    try:
+        if address == "embedded":
+            ray.init(
+                num_cpus=max(num_cpus or 0, os.cpu_count() or 1),
+                resources=dict(resources or {}),
+                include_dashboard=False,
+                runtime_env={"env_vars": {"PYTHONPATH": _driver_pythonpath()}},
+                **kwargs,
+            )
+        else:
+            ray.init(address=address, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the address in the message
+        raise RayConnectionError(f"could not {'start' if address == 'embedded' else 'join'} Ray at {address!r}: {exc}") from exc
+    return RayConnection(address=address, started_here=True, resources=ray.cluster_resources())

@@ -1,0 +1,133 @@
+"""The built-in decoder trained by DeepSpeed (ZeRO 0-3, fp32 or bf16) on a worker group.
+
+Call sequence: the driver starts a worker group (`WorkerGroupSpec(env={"DS_ACCELERATOR":
+"cpu"})` on CPUs) and runs `train_deepspeed(ctx, spec)` on every rank; every rank is a DP
+rank (DeepSpeed's data parallelism over the whole world). Checkpoints are written with
+`engine.save_checkpoint(save_dir, tag="global_step<N>")`; its client state holds the
+sampler state and the step count, so `load_dir` resumes with the very next sample.
+The optimizer is torch's AdamW selected through the DeepSpeed config (`torch_adam`), so no
+fused kernel is compiled; the LR follows `ScheduledLR`, saved by DeepSpeed with the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
+from migrate.workload.model_spec import RunSpec
+from migrate.workload.torch_model import build_decoder
+
+CLIENT_STATE_KEY = "migrate"
+
+
+def deepspeed_config(spec: RunSpec, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config of a run at data-parallel size `dp`; pure."""
+    train, opt = spec.train, spec.train.optimizer
+    return {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accumulation(dp),
+        "gradient_clipping": opt.clip_grad,
+        "optimizer": {
+            "type": "AdamW" if opt.name == "adamw" else "Adam",
+            "params": {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps,
+                       "weight_decay": opt.weight_decay, "torch_adam": True},
+        },
+        "bf16": {"enabled": train.precision == "bf16"},
+        "zero_optimization": {"stage": spec.zero_stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def should_save(spec: RunSpec, step: int) -> bool:
+    """Whether to checkpoint after optimizer step `step` (1-based)."""
+    if not spec.save_dir:
+        return False
+    return step == spec.steps or (spec.save_every > 0 and step % spec.save_every == 0)
+
+
+def _set_accelerator(device_type: str) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}.get(device_type, device_type))
+
+
+def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
+    """Per-rank entry point (`ctx` is the worker group's RankContext): train, checkpoint, report."""
+    if spec.engine != "deepspeed":
+        raise ValueError(f"train_deepspeed got a RunSpec for engine {spec.engine!r}")
+    if spec.tp != 1 or spec.pp != 1 or spec.ep != 1:
+        raise ValueError(f"the DeepSpeed workload is data-parallel only: tp({spec.tp}) pp({spec.pp}) ep({spec.ep}) "
+                         "must all be 1")
+    _set_accelerator(ctx.device_type)
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    dp, rank = ctx.world_size, ctx.rank
+    train, model_spec = spec.train, spec.model
+    model = build_decoder(model_spec, train.seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(spec, dp),
+        lr_scheduler=lambda optimizer: ScheduledLR(optimizer, train.lr_schedule, train.optimizer.lr),
+    )
+    sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size, global_batch_size=train.global_batch_size)
+    start_step = 0
+    if spec.load_dir:
+        path, client = engine.load_checkpoint(spec.load_dir)
+        if path is None or not client or CLIENT_STATE_KEY not in client:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint with migrate client state under {spec.load_dir} "
+                                    f"(loaded path={path}, client keys={sorted(client or {})})")
+        state = client[CLIENT_STATE_KEY]
+        sampler = SamplerState.from_state_dict(state["sampler"])
+        start_step = int(state["step"])
+        if engine.global_steps != start_step:
+            raise RuntimeError(f"{path}: engine.global_steps({engine.global_steps}) != client step({start_step})")
+    device = "cpu" if ctx.device_type == "cpu" else ctx.device
+    dataset = TokenDataset(seed=train.seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+                           vocab_size=model_spec.vocab_size)
+    log = MetricsLog(spec.metrics_path, enabled=rank == 0)
+    metrics: list[StepMetrics] = []
+    checkpoints: list[str] = []
+    stopped = None
+    try:
+        for step in range(start_step, spec.steps):
+            began = time.perf_counter()
+            lr = float(engine.get_lr()[0])
+            micro = rank_micro_batches(global_batch_indices(sampler), rank, dp, train.micro_batch_size)
+            total = torch.zeros((), dtype=torch.float64)
+            for indices in micro:
+                tokens, labels = dataset.batch(indices)
+                loss = engine(tokens.to(device), labels.to(device))
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().to("cpu", torch.float64)
+            dist.all_reduce(total)
+            grad_norm = engine.get_global_grad_norm()
+            sampler = sampler.advance()
+            record = StepMetrics(
+                step=step + 1, loss=float(total) / (dp * len(micro)),
+                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
+                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
+            metrics.append(record)
+            message = log.write(record)
+            if should_save(spec, step + 1):
+                tag = f"global_step{step + 1}"
+                engine.save_checkpoint(spec.save_dir, tag=tag, client_state={
+                    CLIENT_STATE_KEY: {"sampler": sampler.state_dict(), "step": step + 1}})
+                checkpoints.append(os.path.join(spec.save_dir, tag))
+            if message and spec.stop_on_nonfinite:
+                stopped = message
+                break
+    finally:
+        log.close()
+    return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
+                      checkpoints=tuple(checkpoints), stopped=stopped)

@@ -1,0 +1,203 @@
+"""Frozen specs for the built-in workloads: the model, the training recipe and one run.
+
+`ModelSpec` mirrors the job's `model` section, `TrainSpec` its `training` section; the
+stage maps the validated job onto them. Every field is checked on construction and errors
+print every number involved.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Architecture = Literal["gpt", "llama", "mixtral"]
+Precision = Literal["fp32", "bf16"]
+Engine = Literal["deepspeed", "megatron", "fsdp"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A GPT/Llama-style decoder; `mixtral` adds a top-k routed MoE FFN.
+
+    gpt: LayerNorm + GELU FFN; llama/mixtral: RMSNorm + SwiGLU FFN. All use rotary
+    position embeddings and grouped-query attention (`num_query_groups` KV heads).
+    """
+
+    architecture: Architecture = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 128
+    seq_length: int = 32
+    tied_embeddings: bool = False
+    num_experts: int = 0
+    moe_top_k: int = 2
+    make_vocab_size_divisible_by: int = 1
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("gpt", "llama", "mixtral"):
+            raise ValueError(f"model.architecture={self.architecture!r}: expected gpt, llama or mixtral")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"model.hidden_size({self.hidden_size}) is not divisible by "
+                             f"num_attention_heads({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"model.num_attention_heads({self.num_attention_heads}) is not divisible by "
+                             f"num_query_groups({self.num_query_groups})")
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(f"head dim {self.hidden_size}//{self.num_attention_heads} must be even for rotary")
+        if self.architecture == "mixtral":
+            if self.num_experts < 2:
+                raise ValueError(f"model.num_experts={self.num_experts}: mixtral needs >= 2 experts")
+            if not 1 <= self.moe_top_k <= self.num_experts:
+                raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts({self.num_experts})]")
+        elif self.num_experts not in (0, 1):
+            raise ValueError(f"model.num_experts={self.num_experts} needs architecture 'mixtral', "
+                             f"got {self.architecture!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture == "mixtral"
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.architecture in ("llama", "mixtral")
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """AdamW hyper-parameters (decoupled weight decay) and gradient clipping."""
+
+    name: Literal["adamw", "adam"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRScheduleSpec:
+    """Linear warm-up, then constant, cosine or linear decay to min_lr_ratio * lr at decay_steps."""
+
+    kind: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 2
+    decay_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.decay_steps < 1:
+            raise ValueError(f"lr_schedule: warmup_steps({self.warmup_steps}) must be >= 0 and "
+                             f"decay_steps({self.decay_steps}) >= 1")
+
+
+def lr_at(schedule: LRScheduleSpec, base_lr: float, step: int) -> float:
+    """Learning rate used by optimizer step `step` (0-based). Pure; the same for every engine."""
+    if schedule.warmup_steps and step < schedule.warmup_steps:
+        return base_lr * (step + 1) / schedule.warmup_steps
+    if schedule.kind == "constant":
+        return base_lr
+    min_lr = base_lr * schedule.min_lr_ratio
+    span = max(schedule.decay_steps - schedule.warmup_steps, 1)
+    progress = min(max(step - schedule.warmup_steps, 0) / span, 1.0)
+    if schedule.kind == "linear":
+        return base_lr - (base_lr - min_lr) * progress
+    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    """The training recipe: batch sizes, precision, optimizer, schedule, seed."""
+
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    precision: Precision = "fp32"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
+    seed: int = 1234
+    dataset_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"training.precision={self.precision!r}: the built-in engines run fp32 or bf16")
+        if self.micro_batch_size < 1 or self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"training.global_batch_size({self.global_batch_size}) is not a multiple of "
+                             f"micro_batch_size({self.micro_batch_size})")
+        if self.dataset_size < self.global_batch_size:
+            raise ValueError(f"training.dataset_size({self.dataset_size}) < global_batch_size({self.global_batch_size})")
+
+    def grad_accumulation(self, dp: int) -> int:
+        """Micro-batches per rank per step; raises when gbs is not a multiple of mbs * dp."""
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ValueError(f"global_batch_size({self.global_batch_size}) is not a multiple of "
+                             f"micro_batch_size({self.micro_batch_size}) * dp({dp}) = {per_step}")
+        return self.global_batch_size // per_step
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec:
+    """One training run of a built-in engine on a worker group.
+
+    Runs optimizer steps `start_step .. steps-1` where start_step comes from `load_dir`
+    (0 without one); saves a framework checkpoint every `save_every` steps (0: only at the
+    end when `save_dir` is set) and at the last step. `metrics_path` (rank 0) receives one
+    JSON line per step.
+    """
+
+    engine: Engine
+    model: ModelSpec
+    train: TrainSpec
+    steps: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    distributed_optimizer: bool = False
+    save_dir: str | None = None
+    load_dir: str | None = None
+    save_every: int = 0
+    metrics_path: str | None = None
+    stop_on_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        for name in ("tp", "pp", "ep", "vpp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.zero_stage <= 3:
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.save_every < 0:
+            raise ValueError(f"save_every={self.save_every} must be >= 0")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """dp = world_size / (tp * pp); EP folds into dp as in Megatron-Core."""
+        model_parallel = self.tp * self.pp
+        if world_size % model_parallel:
+            raise ValueError(f"world_size({world_size}) is not divisible by tp({self.tp}) * pp({self.pp}) "
+                             f"= {model_parallel}")
+        dp = world_size // model_parallel
+        if dp % self.ep:
+            raise ValueError(f"dp({dp}) = world_size({world_size}) / (tp({self.tp}) * pp({self.pp})) "
+                             f"is not divisible by ep({self.ep})")
+        return dp

@@ -1,0 +1,1 @@
+"""Parallel-plan search: memory and cost models, candidate space, profiling-driven ranking."""
