@@ -1,0 +1,65 @@
+"""Shared pieces of the CLI commands: loading a job, running stages, exit codes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from migrate.job.load import Job, JobError, load_job
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+job_argument = click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
+
+
+def load_or_exit(job_file: Path) -> Job:
+    """The validated job, or the problems on stderr and exit code 2."""
+    try:
+        return load_job(job_file)
+    except JobError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def run_stages(job: Job, stages: Sequence[str] | None, force: bool) -> int:
+    """Run stages of ``job`` with tracking and the target runtime; return the exit code."""
+    from migrate.pipeline.runner import run_pipeline
+    from migrate.runtime.session import TargetRuntime
+    from migrate.tracking.tracker import Tracker
+
+    tracker = Tracker(job.work_dir, job.spec.tracking, run_name=job.name, config=job.spec.model_dump(mode="json"))
+    try:
+        with TargetRuntime(job.spec.target) as runtime:
+            result = run_pipeline(
+                job, stages=stages, force=force, tracker=tracker, start_group=runtime.start_group,
+                echo=lambda line: click.echo(line, err=True),
+            )
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_BAD_INPUT
+    finally:
+        tracker.close()
+    click.echo(f"summary: {result.summary_path}")
+    click.echo(f"metrics: {tracker.jsonl_path}")
+    if tracker.wandb_dir:
+        click.echo(f"wandb:   {tracker.wandb_dir}")
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def stage_command(name: str, description: str) -> click.Command:
+    """``migrate <stage> JOB.yaml [--force]``: run one stage of a job (with its artifact and skip rule)."""
+
+    @click.command(name=name, help=f"Run the {name} stage of JOB_FILE: {description}.")
+    @job_argument
+    @click.option("--force", is_flag=True, help="run even if its inputs are unchanged")
+    def command(job_file: Path, force: bool) -> None:
+        job = load_or_exit(job_file)
+        if name not in job.stage_options:
+            click.echo(f"{job.path}: the job does not list stage {name!r} under 'stages:'", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        sys.exit(run_stages(job, [name], force))
+
+    return command

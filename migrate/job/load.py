@@ -1,0 +1,189 @@
+"""Read a job file into a validated ``Job``, or fail with every problem named.
+
+``load_job(path)`` parses YAML (duplicate keys are errors), validates the schema and
+each listed stage's options, and resolves paths relative to the job file. On any
+problem it raises ``JobError`` listing each one as ``field: message (got value)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from migrate.job.schema import JobSpec
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in a job file."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class JobError(ValueError):
+    """A job file that cannot run; ``problems`` lists every reason."""
+
+    def __init__(self, path: Path | str, problems: list[Problem]):
+        self.path = Path(path)
+        self.problems = tuple(problems)
+        body = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{self.path}: {len(self.problems)} problem(s), nothing was run:\n{body}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated job: the spec, where it came from, and each stage's options."""
+
+    spec: JobSpec
+    path: Path
+    work_dir: Path
+    stage_options: Mapping[str, BaseModel]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def resolve(self, path: str) -> Path:
+        """A path from the job file, relative to the job file's folder."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.path.parent / p).resolve()
+
+    def section_digest(self, *sections: str) -> str:
+        """A stable hash of the named top-level sections (inputs of a stage)."""
+        data = self.spec.model_dump(mode="json")
+        chosen = {name: data[name] for name in sections}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            first = seen[key].start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None,
+                f"key {key!r} is given twice (first at line {first.line + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names allowed at ``loc`` (the parent of an unknown key), best effort."""
+    current: Any = model
+    for item in loc:
+        if isinstance(item, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue
+        field = current.model_fields.get(item)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return []
+        current = nested[0]
+    return sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def problems_from_validation(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[Problem]:
+    """Turn pydantic's errors into ``field: message (got value)`` problems."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x.startswith("function-"))))
+        field = _field_path(loc)
+        if prefix:
+            field = f"{prefix}.{field}" if field else prefix
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            allowed = _allowed_fields(model, loc[:-1])
+            message = "unknown field" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        elif kind == "missing":
+            message = "required field is missing"
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+            if "input" in err and kind not in ("value_error", "assertion_error") and not isinstance(err["input"], dict):
+                message += f" (got {err['input']!r})"
+        problems.append(Problem(field, message))
+    return problems
+
+
+def parse_job(data: Any, path: Path | str) -> Job:
+    """Validate already-parsed YAML data as a job read from ``path``."""
+    from migrate.stages import STAGES, stage_order_problems
+
+    path = Path(path).resolve()
+    if not isinstance(data, dict):
+        raise JobError(path, [Problem("", f"the file must hold a mapping of sections, got {type(data).__name__}")])
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobError(path, problems_from_validation(exc, JobSpec)) from None
+    problems: list[Problem] = []
+    options: dict[str, BaseModel] = {}
+    for name, raw in spec.stages.items():
+        stage = STAGES.get(name)
+        if stage is None:
+            problems.append(Problem(f"stages.{name}", f"unknown stage; allowed: {', '.join(STAGES)}"))
+            continue
+        try:
+            options[name] = stage.options.model_validate(raw or {})
+        except ValidationError as exc:
+            problems += problems_from_validation(exc, stage.options, prefix=f"stages.{name}")
+    problems += [Problem("stages", msg) for msg in stage_order_problems(tuple(spec.stages))]
+    if problems:
+        raise JobError(path, problems)
+    work_dir = Path(spec.work_dir.format(name=spec.name)).expanduser()
+    if not work_dir.is_absolute():
+        work_dir = (path.parent / work_dir).resolve()
+    return Job(spec=spec, path=path, work_dir=work_dir, stage_options=options)
+
+
+def load_job(path: Path | str) -> Job:
+    """Read and validate a job file; raise ``JobError`` naming every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise JobError(path, [Problem("", "file not found")]) from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise JobError(path, [Problem("", f"not a readable YAML text file: {exc}")]) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise JobError(path, [Problem("", f"invalid YAML at {where}{problem}")]) from None
+    if data is None:
+        raise JobError(path, [Problem("", "the file is empty")])
+    return parse_job(data, path)

@@ -1,0 +1,139 @@
+"""What a stage is, what it is given, and what it leaves behind.
+
+A stage module defines ``STAGE = StageDefinition(...)``. The runner gives its ``run``
+a ``StageContext`` and turns the returned ``StageOutcome`` into a ``StageArtifact``
+written as ``<work_dir>/<stage>/result.json`` (machine-readable) and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from migrate.job.load import Job
+    from migrate.runtime.worker_group import WorkerGroup
+    from migrate.tracking.tracker import Tracker
+
+T = TypeVar("T")
+Verdict = Literal["pass", "fail", "done"]
+ARTIFACT_VERSION = 1
+
+
+class StageOptions(BaseModel):
+    """Base of a stage's options: frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StageStatus(str, Enum):
+    """Where a stage ended; ``ok`` says whether dependents may use its result."""
+
+    SUCCEEDED = "succeeded"
+    SKIPPED = "skipped"  # unchanged inputs: the previous successful artifact stands
+    FAILED = "failed"  # raised, or returned verdict "fail"
+    BLOCKED = "blocked"  # a dependency did not succeed
+
+    @property
+    def ok(self) -> bool:
+        return self in (StageStatus.SUCCEEDED, StageStatus.SKIPPED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOutcome:
+    """What a stage's ``run`` returns."""
+
+    verdict: Verdict = "done"
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    outputs: Mapping[str, str] = field(default_factory=dict)  # name -> path (relative to work_dir or absolute)
+    reasons: tuple[str, ...] = ()
+    summary_md: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageArtifact:
+    """The JSON record a stage leaves: inputs hash, outputs, metrics, verdict, timings."""
+
+    stage: str
+    status: StageStatus
+    verdict: Verdict | None
+    input_hash: str
+    inputs: Mapping[str, Any]
+    outputs: Mapping[str, str]
+    metrics: Mapping[str, Any]
+    reasons: tuple[str, ...]
+    started_at: str
+    finished_at: str
+    duration_s: float
+    error: str = ""
+    version: int = ARTIFACT_VERSION
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["status"] = self.status.value
+        return json.dumps(data, indent=2, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StageArtifact":
+        data = json.loads(text)
+        data["status"] = StageStatus(data["status"])
+        data["reasons"] = tuple(data.get("reasons", ()))
+        return cls(**data)
+
+    @property
+    def result_digest(self) -> str:
+        """What dependents hash: changes whenever this stage's inputs or results change."""
+        import hashlib
+
+        body = json.dumps({"in": self.input_hash, "out": dict(self.outputs), "verdict": self.verdict}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Everything a stage may use: the job, its options, its folder, upstream results, effects."""
+
+    job: "Job"
+    options: BaseModel
+    work_dir: Path
+    upstream: Mapping[str, StageArtifact]
+    tracker: "Tracker"
+    start_group: Callable[..., "WorkerGroup"]
+    stage: str
+
+    def worker_group(self, **overrides: Any) -> "WorkerGroup":
+        """Start a worker group on the job's target (``overrides`` change spec fields)."""
+        return self.start_group(**overrides)
+
+    def progress(self, items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+        """Iterate with a progress bar on stderr."""
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=f"[{self.stage}] {desc}", total=total, leave=False, dynamic_ncols=True)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.tracker.log_metrics(step, metrics, prefix=self.stage)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageDefinition:
+    """A checklist stage: its name, what it needs, its options and the function that runs it.
+
+    ``reads`` names the job sections that are inputs of the stage (hashed for the skip
+    decision); ``fingerprint`` adds inputs outside the job file (e.g. a checkpoint's
+    files); ``version`` changes whenever the stage's logic changes its results.
+    """
+
+    name: str
+    description: str
+    run: Callable[[StageContext], StageOutcome]
+    options: type[BaseModel] = StageOptions
+    depends_on: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ("source", "target", "model", "training")
+    fingerprint: Callable[["Job", BaseModel], Mapping[str, Any]] | None = None
+    version: str = "1"

@@ -1,0 +1,75 @@
+"""The job summary: one Markdown page and one JSON file over every stage's artifact."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from migrate.job.load import Job
+    from migrate.pipeline.runner import StageRecord
+
+_STATUS_MARK = {"succeeded": "ok", "skipped": "ok (unchanged)", "failed": "FAILED", "blocked": "blocked"}
+
+
+def _format_metric(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> str:
+    """Markdown: the job, a table of stages (status, verdict, time, reasons), then each stage's own summary."""
+    spec = job.spec
+    ok = all(r.artifact.status.ok for r in records)
+    src, tgt = spec.source, spec.target
+    lines = [
+        f"# Migration job `{spec.name}`: {'all stages passed' if ok else 'NOT PASSED'}",
+        "",
+        f"- job file: `{job.path}`",
+        f"- written: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+        f"- source: {src.cluster.device_count} x {src.cluster.device_type} ({src.cluster.resolved_backend}), "
+        f"layout {src.layout.to_layout().describe()}",
+        f"- target: {tgt.device_count} x {tgt.device_type} ({tgt.resolved_backend}), "
+        + (f"layout {tgt.layout.to_layout().describe()}" if tgt.layout else "layout to be chosen by search")
+        + f", Ray {tgt.ray.address}",
+        f"- model: {spec.model.architecture}, {spec.model.num_layers} layers, hidden {spec.model.hidden_size}",
+    ]
+    if wandb_dir:
+        lines.append(f"- W&B run: `{wandb_dir}`")
+    lines += ["", "| stage | status | verdict | time (s) | key metrics | reasons |", "|---|---|---|---|---|---|"]
+    for rec in records:
+        art = rec.artifact
+        metrics = ", ".join(f"{k}={_format_metric(v)}" for k, v in list(art.metrics.items())[:4])
+        reasons = "; ".join(art.reasons).replace("|", "\\|")
+        lines.append(
+            f"| {art.stage} | {_STATUS_MARK[art.status.value]} | {art.verdict or ''} | {art.duration_s:.1f} | {metrics} | {reasons} |"
+        )
+    for rec in records:
+        if rec.summary_md.strip():
+            lines += ["", f"## {rec.artifact.stage}", "", rec.summary_md.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def write_job_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> Path:
+    """Write ``summary.md`` and ``summary.json`` into the job's work dir; return the Markdown path."""
+    from migrate.pipeline.runner import write_text_atomic
+
+    md_path = job.work_dir / "summary.md"
+    write_text_atomic(md_path, render_summary(job, records, wandb_dir=wandb_dir))
+    data = {
+        "job": job.spec.name,
+        "ok": all(r.artifact.status.ok for r in records),
+        "stages": [
+            {"stage": r.artifact.stage, "status": r.artifact.status.value, "verdict": r.artifact.verdict,
+             "decision": r.decision.action, "decision_reason": r.decision.reason,
+             "duration_s": r.artifact.duration_s, "reasons": list(r.artifact.reasons),
+             "artifact": str(job.work_dir / r.artifact.stage / "result.json")}
+            for r in records
+        ],
+        "wandb_dir": wandb_dir,
+    }
+    write_text_atomic(job.work_dir / "summary.json", json.dumps(data, indent=2))
+    return md_path
