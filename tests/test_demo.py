@@ -1,0 +1,40 @@
+"""The README's first command: the CPU demo job end to end (embedded Ray, W&B offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    shutil.copy(REPO / "configs" / "demo_cpu.yaml", configs / "demo_cpu.yaml")
+    migrate_bin = Path(sys.executable).with_name("migrate")
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    first = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    work = tmp_path / "runs" / "demo-cpu"
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["ok"] is True
+    assert [s["status"] for s in summary["stages"]] == ["succeeded"] * len(summary["stages"])
+    assert "all stages passed" in (work / "summary.md").read_text()
+    assert list((work / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run missing"
+    assert list((work / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard events missing"
+    for stage in summary["stages"]:
+        artifact = json.loads(Path(stage["artifact"]).read_text())
+        assert artifact["status"] == "succeeded"
+    second = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0
+    assert all(s["decision"] == "skip" for s in json.loads((work / "summary.json").read_text())["stages"])
