@@ -1,0 +1,126 @@
+"""The convergence gate: baselines + candidate + tolerances -> :class:`Verdict`.
+
+Pure: callers read the runs (``convergence.readers`` or migrate's W&B source) and
+write the report (``convergence.report``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from convergence import checks
+from convergence.calibration import grad_norm_bands, loss_bands
+from convergence.series import Aligned, MetricSeries, RunMetrics, SeriesError, align, rekey_by
+from convergence.tolerances import Tolerances, tolerances_to_mapping
+from convergence.verdict import Verdict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MetricKeys:
+    """Series names to use instead of the alias lookup (None: look the canonical names up)."""
+
+    loss: str | None = None
+    grad_norm: str | None = None
+    lr: str | None = None
+    position: str | None = None
+    """With align.by == 'tokens': the series holding consumed tokens (or samples) per step."""
+
+
+def _rekey(run: RunMetrics, series: MetricSeries | None, keys: MetricKeys) -> MetricSeries | None:
+    if series is None:
+        return None
+    position = run.find("tokens", keys.position) or run.find("samples")
+    if position is None:
+        raise SeriesError(f"{run.source}: align.by is 'tokens' but the source logs no consumed tokens "
+                          f"or samples series; it holds {sorted(run.series)}")
+    return rekey_by(series, position)
+
+
+def _aligned_rows(series: Sequence[MetricSeries], steps: np.ndarray, interpolate: bool) -> np.ndarray:
+    if interpolate:
+        return np.stack([np.interp(steps, s.x, s.y) for s in series])
+    rows = []
+    for s in series:
+        idx = np.searchsorted(s.x, steps)
+        idx = np.clip(idx, 0, len(s) - 1)
+        rows.append(np.where(s.x[idx] == steps, s.y[idx], math.nan))
+    return np.stack(rows)
+
+
+def evaluate(baselines: Sequence[RunMetrics], candidate: RunMetrics, tol: Tolerances,
+             keys: MetricKeys = MetricKeys()) -> Verdict:
+    """Run every check; raises SeriesError when a required series (loss) is missing."""
+    if not baselines:
+        raise SeriesError("gate: at least one baseline run is needed")
+    by_tokens = tol.align.by == "tokens"
+    base_loss = [b.require("loss", keys.loss) for b in baselines]
+    cand_loss = candidate.require("loss", keys.loss)
+    base_gn = [b.find("grad_norm", keys.grad_norm) for b in baselines]
+    cand_gn = candidate.find("grad_norm", keys.grad_norm)
+    have_gn = cand_gn is not None and all(g is not None for g in base_gn)
+    raw_cand_loss = cand_loss
+    if by_tokens:
+        base_loss = [_rekey(b, s, keys) for b, s in zip(baselines, base_loss)]
+        cand_loss = _rekey(candidate, cand_loss, keys)
+        if have_gn:
+            base_gn = [_rekey(b, s, keys) for b, s in zip(baselines, base_gn)]
+            cand_gn = _rekey(candidate, cand_gn, keys)
+
+    aligned = align(base_loss, cand_loss, interpolate=by_tokens)
+    lb = loss_bands(aligned, tol)
+    results: list[checks.CheckResult] = [
+        checks.check_coverage(aligned.steps, cand_loss, base_loss, tol),
+        checks.check_nonfinite([s for s in (cand_loss, cand_gn) if s is not None],
+                               [[s for s in (bl, bg) if s is not None] for bl, bg in zip(base_loss, base_gn)], tol),
+    ]
+    first = checks.check_first_step(aligned.candidate, lb, tol)
+    results += [
+        first,
+        checks.check_band("resume_continuity", aligned.candidate, lb, 0, limit=tol.restart.window + 1,
+                          first_ok=first.passed and not first.skipped),
+        checks.check_band("loss_step", aligned.candidate, lb, tol.loss.allowed_failures),
+        checks.check_loss_window(aligned.candidate, lb, tol),
+        checks.check_mean_error("loss_mean", aligned.candidate, lb, tol.loss.mean_rel, tol.loss.warmup_steps),
+    ]
+    gb = None
+    cand_gn_row = base_gn_rows = None
+    if have_gn:
+        assert cand_gn is not None
+        gsteps = aligned.steps
+        gn_rows = _aligned_rows([g for g in base_gn if g is not None], gsteps, by_tokens)
+        cand_gn_row = _aligned_rows([cand_gn], gsteps, by_tokens)[0]
+        base_gn_rows = gn_rows
+        gb = grad_norm_bands(Aligned(steps=gsteps, baselines=gn_rows, candidate=cand_gn_row,
+                                     interpolated=by_tokens), tol)
+        results += [
+            checks.check_band("grad_norm_band", cand_gn_row, gb, tol.grad_norm.allowed_failures),
+            checks.check_mean_error("grad_norm_mean", cand_gn_row, gb, tol.grad_norm.mean_rel,
+                                    tol.grad_norm.warmup_steps),
+        ]
+    else:
+        missing = "the candidate" if cand_gn is None else "a baseline"
+        results.append(checks.CheckResult(code="grad_norm_band", passed=True, skipped=True,
+                                          reason=f"skipped: no grad-norm series in {missing}"))
+    results.append(checks.check_lr(candidate.find("lr", keys.lr), baselines[0].find("lr", keys.lr), tol))
+    results.append(checks.check_spikes("loss", cand_loss, base_loss, tol))
+    if have_gn:
+        results.append(checks.check_spikes("grad_norm", cand_gn, [g for g in base_gn if g is not None], tol))
+    results.append(checks.check_restart_continuity(raw_cand_loss, tol))
+    return Verdict(
+        passed=all(r.passed for r in results),
+        checks=tuple(results),
+        candidate=candidate.source,
+        baselines=tuple(b.source for b in baselines),
+        align_by=tol.align.by,
+        loss_bands=lb,
+        grad_norm_bands=gb,
+        candidate_loss=aligned.candidate,
+        candidate_grad_norm=cand_gn_row,
+        baseline_loss=aligned.baselines,
+        baseline_grad_norm=base_gn_rows,
+        tolerances=tolerances_to_mapping(tol),
+    )

@@ -1,0 +1,109 @@
+"""Gate stage: the target's metrics against the source run's (and any repeat baselines).
+
+Baselines are the job's ``source.metrics`` entries; the candidate is the ``candidate``
+option or, when absent, the ``metrics`` output of the ``resume`` stage's artifact.
+Tolerances come from the ``tolerances`` option (same keys as the tolerances YAML) or
+``tolerances_file``. Writes the verdict JSON, Markdown/HTML report and plots into the
+stage folder and logs the headline numbers to the tracker (W&B when enabled).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from convergence.gate import MetricKeys, evaluate
+from convergence.report import write_report
+from convergence.tolerances import load_tolerances, tolerances_from_mapping
+from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+
+
+class GateOptions(StageOptions):
+    candidate: str | None = Field(default=None, description="candidate source spec; default: the resume stage's metrics")
+    extra_baselines: tuple[str, ...] = Field(default=(), description="more baseline runs (repeats) for calibration")
+    tolerances: dict[str, Any] = Field(default_factory=dict, description="tolerance overrides (tolerances YAML keys)")
+    tolerances_file: str | None = None
+    loss_key: str | None = None
+    grad_norm_key: str | None = None
+    lr_key: str | None = None
+
+    @field_validator("tolerances")
+    @classmethod
+    def _valid_tolerances(cls, value: dict[str, Any]) -> dict[str, Any]:
+        tolerances_from_mapping(value, "stages.gate.tolerances")
+        return value
+
+
+def _resolve_spec(job: Any, spec: str) -> str:
+    """A spec with its path made relative to the job file (online W&B specs unchanged)."""
+    from migrate.gate.sources import SOURCE_FORMATS
+
+    fmt, sep, rest = spec.partition(":")
+    if sep and fmt in SOURCE_FORMATS:
+        resolved = job.resolve(rest)
+        return f"{fmt}:{resolved}" if fmt != "wandb" or resolved.exists() else spec
+    return str(job.resolve(spec))
+
+
+def _candidate_spec(ctx: StageContext, options: GateOptions) -> str:
+    if options.candidate:
+        return _resolve_spec(ctx.job, options.candidate)
+    from migrate.pipeline.runner import read_artifact
+
+    artifact = ctx.upstream.get("resume") or read_artifact(ctx.job, "resume")
+    if artifact is None or "metrics" not in artifact.outputs:
+        raise ValueError("stages.gate: no candidate: set stages.gate.candidate, or run the resume stage "
+                         "(its artifact must list outputs.metrics)")
+    path = Path(artifact.outputs["metrics"])
+    return str(path if path.is_absolute() else ctx.job.work_dir / path)
+
+
+def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
+    files = {}
+    for entry in job.spec.source.metrics:
+        path = job.resolve(entry.path)
+        for f in ([path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []):
+            if f.is_file():
+                st = f.stat()
+                files[str(f)] = [st.st_size, st.st_mtime_ns]
+    return {"metric_files": files}
+
+
+def run(ctx: StageContext) -> StageOutcome:
+    from migrate.gate.sources import load_run, spec_for
+
+    options: GateOptions = ctx.options  # type: ignore[assignment]
+    tol = load_tolerances(ctx.job.resolve(options.tolerances_file)) if options.tolerances_file else \
+        tolerances_from_mapping(options.tolerances, "stages.gate.tolerances")
+    specs = [spec_for(str(ctx.job.resolve(m.path)), m.format) for m in ctx.job.spec.source.metrics]
+    specs += [_resolve_spec(ctx.job, s) for s in options.extra_baselines]
+    if not specs:
+        raise ValueError("stages.gate: the job lists no source.metrics to use as the baseline")
+    policy = tol.align.restart_policy
+    baselines = [load_run(s, policy=policy) for s in specs]
+    candidate = load_run(_candidate_spec(ctx, options), policy=policy)
+    verdict = evaluate(baselines, candidate, tol, MetricKeys(loss=options.loss_key, grad_norm=options.grad_norm_key,
+                                                             lr=options.lr_key))
+    paths = write_report(verdict, ctx.work_dir)
+    metrics: dict[str, Any] = {"passed": int(verdict.passed), "failed_checks": len(verdict.failed_codes)}
+    for check in verdict.checks:
+        for key in ("mean_rel_error", "failures", "candidate_count", "rel_error"):
+            if key in check.details:
+                metrics[f"{check.code}.{key}"] = check.details[key]
+    ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    summary = paths["markdown"].read_text(encoding="utf-8")
+    return StageOutcome(verdict="pass" if verdict.passed else "fail", metrics=metrics,
+                        outputs={k: str(v) for k, v in paths.items()}, reasons=verdict.reasons, summary_md=summary)
+
+
+STAGE = StageDefinition(
+    name="gate",
+    description="loss and grad-norm of the target run against the baseline, calibrated tolerances, report",
+    run=run,
+    options=GateOptions,
+    depends_on=(),
+    reads=("source", "training"),
+    fingerprint=_fingerprint,
+)
