@@ -36,3 +36,7 @@ def _build() -> click.Group:
 
 
 main = _build()
+
+
+if __name__ == "__main__":
+    main()

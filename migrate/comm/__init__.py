@@ -8,5 +8,6 @@ Modules:
 * ``fallbacks``: compositions that replace an op or dtype the target lacks.
 * ``bandwidth``: nccl-tests style algbw/busbw measurement.
 * ``compare``: a source cluster's result file against the target's.
-* ``report``: JSON, CSV, Markdown and PNG output.
+* ``report``: the result file (JSON) and its CSV, Markdown and PNG renderings.
+* ``suite``: one run of all of the above on a started worker group (stage and CLI).
 """

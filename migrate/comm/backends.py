@@ -298,6 +298,10 @@ def _identity(value: str) -> str:
     return value
 
 
+def _ib_timeout_to_hccl(value: str) -> str:
+    return str(min(20, max(5, int(value))))
+
+
 def _rules_between(source: str, target: str) -> tuple[OptionRule, ...]:
     """The rules for one (source, target) backend pair, both directions derived from one table."""
     rules: list[OptionRule] = []
@@ -310,8 +314,9 @@ def _rules_between(source: str, target: str) -> tuple[OptionRule, ...]:
         ("NCCL_ALGO", "HCCL_ALGO", _nccl_algo_to_hccl, _hccl_algo_to_nccl,
          "algorithm hint; only ring exists on both (NCCL Tree/CollNet/NVLS and HCCL H-D_R/NHR/NB/pipeline do not)",
          HCCL_ALGO_DOC),
-        ("NCCL_IB_TIMEOUT", "HCCL_RDMA_TIMEOUT", _identity, _identity,
-         "both are the exponent t of the RDMA retransmission timeout 4.096us * 2^t (HCCL range [5,20] on A2/A3)",
+        ("NCCL_IB_TIMEOUT", "HCCL_RDMA_TIMEOUT", _ib_timeout_to_hccl, _identity,
+         "both are the exponent t of the RDMA retransmission timeout 4.096us * 2^t; clamped to HCCL's "
+         "range [5,20] on Atlas A2/A3",
          HCCL_RDMA_TIMEOUT_DOC),
         ("NCCL_IB_TC", "HCCL_RDMA_TC", _identity, _identity, "RDMA traffic class", HCCL_ENV_DOC),
         ("NCCL_IB_SL", "HCCL_RDMA_SL", _identity, _identity, "RDMA service level", HCCL_ENV_DOC),
@@ -418,15 +423,14 @@ def map_comm_options(
     for key, value in backend_environment(source, env).items():
         if source == target:
             results.append(MappedOption(key=key, value=value, status="carried", target_key=key, target_value=value,
-                                        note="same backend on source and target", doc=NCCL_ENV_DOC
-                                        if source == "nccl" else HCCL_ENV_DOC))
+                                        note="same backend on source and target", doc=_env_doc(source)))
             target_env[key] = value
             continue
         rule = rules.get(key)
         if rule is None:
             results.append(MappedOption(key=key, value=value, status="unmapped", target_key=None, target_value=None,
                                         note=f"no documented {target} equivalent of this {source} variable",
-                                        doc=NCCL_ENV_DOC if source == "nccl" else HCCL_ENV_DOC))
+                                        doc=_env_doc(source)))
             continue
         if rule.target_key is None or rule.convert is None:
             results.append(MappedOption(key=key, value=value, status="unmapped", target_key=None, target_value=None,
@@ -455,6 +459,10 @@ def map_comm_options(
         if derived.status == "derived" and derived.target_key and derived.target_value is not None:
             target_env.setdefault(derived.target_key, derived.target_value)
     return OptionMapping(source_backend=source, target_backend=target, options=tuple(results), target_env=target_env)
+
+
+def _env_doc(backend: str) -> str:
+    return {"nccl": NCCL_ENV_DOC, "hccl": HCCL_ENV_DOC, "gloo": GLOO_ENV_DOC}.get(backend, TORCH_DIST_DOC)
 
 
 def _derived_target_settings(

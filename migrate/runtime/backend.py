@@ -14,8 +14,8 @@ DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu")
 _BACKENDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu": ("gloo", ("gloo", "mpi")),
     "cuda": ("nccl", ("nccl", "gloo", "mpi")),
-    "npu": ("hccl", ("hccl", "gloo")),
-    "xpu": ("xccl", ("xccl", "gloo")),
+    "npu": ("hccl", ("hccl",)),  # Gloo moves only CPU and CUDA tensors
+    "xpu": ("xccl", ("xccl",)),
 }
 
 
