@@ -51,3 +51,7 @@ def ray_session():
 
     with connect("embedded", num_cpus=8) as conn:
         yield conn
+
+
+# Checkpoints written by the real engines, made once per session and shared.
+from workload_fixtures import deepspeed_checkpoint, fsdp_checkpoint, megatron_checkpoint, workload_extensions_dir  # noqa: E402,F401

@@ -54,6 +54,18 @@ def should_save(spec: RunSpec, step: int) -> bool:
     return step == spec.steps or (spec.save_every > 0 and step % spec.save_every == 0)
 
 
+def deepspeed_load_target(path: str) -> tuple[str, str | None]:
+    """(checkpoint dir, tag) for `engine.load_checkpoint`: a save dir (its `latest` tag) or one tag dir."""
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    if os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt")) or any(
+            name.endswith("_model_states.pt") for name in os.listdir(path)):
+        parent, tag = os.path.split(os.path.normpath(path))
+        return parent, tag
+    raise FileNotFoundError(f"{path}: neither a DeepSpeed save dir (no 'latest' file) nor a tag dir "
+                            f"(no *_model_states.pt); it holds {sorted(os.listdir(path))}")
+
+
 def _set_accelerator(device_type: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}.get(device_type, device_type))
 
@@ -81,7 +93,8 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size, global_batch_size=train.global_batch_size)
     start_step = 0
     if spec.load_dir:
-        path, client = engine.load_checkpoint(spec.load_dir)
+        load_dir, tag = deepspeed_load_target(spec.load_dir)
+        path, client = engine.load_checkpoint(load_dir, tag=tag)
         if path is None or not client or CLIENT_STATE_KEY not in client:
             raise FileNotFoundError(f"no DeepSpeed checkpoint with migrate client state under {spec.load_dir} "
                                     f"(loaded path={path}, client keys={sorted(client or {})})")

@@ -1,0 +1,1 @@
+"""Device abstraction: run frameworks that assume CUDA on other devices (the CPU here)."""

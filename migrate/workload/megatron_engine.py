@@ -1,0 +1,337 @@
+"""The built-in decoder as Megatron-Core's GPTModel: TP, PP (virtual stages), EP, sequence
+parallel, trained by Megatron-Core's DDP + DistributedOptimizer (or its plain optimizer),
+checkpointed in Megatron-Core's dist format (torch_dist) with the optimizer state.
+
+Call sequence per rank (`train_megatron(ctx, spec)` on every rank of a worker group):
+initialize model parallel -> seed the RNG tracker -> build one GPTModel chunk per virtual
+stage -> wrap in DDP -> `get_megatron_optimizer` -> optional `dist_checkpointing.load` ->
+steps through `get_forward_backward_func()` (1F1B / interleaved when pp > 1) -> save
+`<save_dir>/iter_<NNNNNNN>/` and `latest_checkpointed_iteration.txt` (Megatron-LM's layout).
+On CPUs it runs inside `migrate.device.cpu_device_adapter()`.
+
+The checkpoint holds `model` (`model0`, `model1`, ... with virtual stages), `optimizer`
+(sharding type `distrib_optim_sharding_type`, default 'dp_reshardable'; 0.16.1's default
+fails on save), `iteration`, `checkpoint_version` and `migrate` (sampler state, step).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
+from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
+
+OPTIMIZER_SHARDING_TYPE = "dp_reshardable"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(save_dir: str, step: int) -> str:
+    """Megatron-LM's checkpoint directory name for iteration `step`."""
+    return os.path.join(save_dir, f"iter_{step:07d}")
+
+
+def resolve_load_dir(path: str) -> str:
+    """An `iter_*` dir as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        return iteration_dir(path, int(open(tracker, encoding="utf-8").read().strip()))
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    raise FileNotFoundError(f"{path}: no {TRACKER_FILE} and no metadata.json; not a Megatron-Core dist checkpoint")
+
+
+def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
+    """Megatron-Core TransformerConfig of the run (dropout off, no fused kernels, CPU init)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+    moe = {}
+    if model.is_moe:
+        moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_top_k,
+                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+                   moe_router_load_balancing_type="none", moe_permute_fusion=False)
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim, normalization="RMSNorm" if model.gated_ffn else "LayerNorm",
+        layernorm_epsilon=model.norm_eps, gated_linear_unit=model.gated_ffn,
+        activation_func=F.silu if model.gated_ffn else F.gelu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        expert_model_parallel_size=spec.ep, sequence_parallel=spec.sequence_parallel and spec.tp > 1,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, **moe)
+
+
+def _build_chunks(model: ModelSpec, spec: RunSpec, config: Any) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer_spec = get_gpt_layer_local_spec(num_experts=model.num_experts if model.is_moe else None,
+                                          moe_grouped_gemm=False,
+                                          normalization="RMSNorm" if model.gated_ffn else "LayerNorm")
+    chunks = []
+    for vp_stage in range(spec.vpp):
+        stage = vp_stage if spec.vpp > 1 else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=model.padded_vocab_size(spec.tp),
+            max_sequence_length=model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=model.tied_embeddings, position_embedding_type="rope",
+            rotary_base=int(model.rotary_base), vp_stage=stage))
+    return chunks
+
+
+def _loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _loss_func
+
+
+def _micro_batches(dataset: TokenDataset, indices: list) -> list[dict]:
+    out = []
+    for mb in indices:
+        tokens, labels = dataset.batch(mb)
+        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
+        out.append({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+    return out
+
+
+def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, loading: bool) -> dict:
+    """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, ours."""
+    state: dict[str, Any] = {"iteration": step, "checkpoint_version": 3.0,
+                             "migrate": {"sampler": sampler.state_dict(), "step": step}}
+    if len(chunks) == 1:
+        state["model"] = chunks[0].module.sharded_state_dict()
+    else:
+        for i, chunk in enumerate(chunks):
+            state[f"model{i}"] = chunk.module.sharded_state_dict()
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING_TYPE})
+    return state
+
+
+def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str) -> str:
+    """Write `iter_<step>` with dist_checkpointing (torch_dist) and update the tracker file."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(save_dir, step)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, TRACKER_FILE), "w", encoding="utf-8") as f:
+            f.write(str(step))
+    dist.barrier()
+    return path
+
+
+def _prime_adam_state(optimizer: Any) -> None:
+    """Give every Adam parameter a zero state with a `step` before a load.
+
+    Without Apex/TE, 0.16.1's DistributedOptimizer.state_dict() reads `step` from the inner
+    torch Adam's state, which a fresh optimizer does not have yet (AssertionError `len(steps)
+    == 1`); its own init_state_fn adds only exp_avg/exp_avg_sq. The load overwrites all of it.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def saved_adam_steps(optimizer_state: Any) -> set[int]:
+    """Every `step` stored in the param_groups of a loaded (possibly chained) optimizer state."""
+    found: set[int] = set()
+    if isinstance(optimizer_state, dict):
+        for group in optimizer_state.get("param_groups", []) if isinstance(optimizer_state.get("param_groups"), list) else []:
+            if isinstance(group, dict) and "step" in group:
+                found.add(int(group["step"]))
+        for value in optimizer_state.values():
+            if isinstance(value, (dict, list)):
+                found |= saved_adam_steps(value)
+    elif isinstance(optimizer_state, list):
+        for value in optimizer_state:
+            found |= saved_adam_steps(value)
+    return found
+
+
+def _restore_adam_steps(optimizer: Any, step: int) -> None:
+    """Give each parameter its own Adam `step` tensor holding the saved `step`.
+
+    Without Apex/TE, 0.16.1's DistributedOptimizer.load_state_dict puts one shared `step`
+    tensor into every parameter's state and the dp_reshardable parameter-state load then
+    overwrites it with the freshly initialised value (0); torch Adam also increments a
+    shared tensor once per parameter. Both corrupt the bias correction of every later step.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(step))
+
+
+def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_dir: str) -> tuple[int, SamplerState]:
+    """Load model, optimizer and our state with dist_checkpointing; (step, sampler state)."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_load_dir(load_dir)
+    _prime_adam_state(optimizer)
+    template = _state_dict(chunks, optimizer, 0, sampler, loading=True)
+    loaded = dist_checkpointing.load(template, path)
+    if len(chunks) == 1:
+        chunks[0].module.load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.module.load_state_dict(loaded[f"model{i}"])
+    steps = saved_adam_steps(loaded["optimizer"])
+    if len(steps) > 1:
+        raise RuntimeError(f"{path}: optimizer param_groups hold different Adam steps {sorted(steps)}")
+    with torch.no_grad():  # fp32 main params are views of the model's leaf params
+        optimizer.load_state_dict(loaded["optimizer"])
+    if steps:
+        _restore_adam_steps(optimizer, steps.pop())
+    ours = loaded["migrate"]
+    if int(loaded["iteration"]) != int(ours["step"]):
+        raise RuntimeError(f"{path}: iteration({loaded['iteration']}) != migrate step({ours['step']})")
+    return int(ours["step"]), SamplerState.from_state_dict(ours["sampler"])
+
+
+def check_sequence_parallel(spec: RunSpec, device_type: str) -> None:
+    """Sequence parallel needs Transformer Engine or Apex norms: megatron-core 0.16.1's torch
+    fallback (WrappedTorchNorm) asserts it off, so CPU runs refuse it up front."""
+    if spec.sequence_parallel and spec.tp > 1 and device_type == "cpu":
+        raise ValueError(f"sequence_parallel with tp({spec.tp}) on the CPU: megatron-core's torch norm fallback "
+                         "does not support it (needs Transformer Engine or Apex); run it on an accelerator")
+
+
+def train_megatron(ctx: Any, spec: RunSpec) -> RankResult:
+    """Per-rank entry point (`ctx` is the worker group's RankContext): train, checkpoint, report."""
+    if spec.engine != "megatron":
+        raise ValueError(f"train_megatron got a RunSpec for engine {spec.engine!r}")
+    spec.data_parallel_size(ctx.world_size)
+    check_sequence_parallel(spec, ctx.device_type)
+    torch.set_num_threads(1)
+    adapter: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if ctx.device_type == "cpu":
+        from migrate.device.cpu_adapter import cpu_device_adapter
+        adapter = cpu_device_adapter()
+    with adapter:
+        return _train(ctx, spec)
+
+
+def _train(ctx: Any, spec: RunSpec) -> RankResult:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    train, model_spec = spec.train, spec.model
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        expert_model_parallel_size=spec.ep)
+    try:
+        model_parallel_cuda_manual_seed(train.seed)
+        config = transformer_config(model_spec, spec, ctx.world_size)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=spec.distributed_optimizer)
+        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+                  for chunk in _build_chunks(model_spec, spec, config)]
+        opt = train.optimizer
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.beta1, adam_beta2=opt.beta2,
+            adam_eps=opt.eps, clip_grad=opt.clip_grad, bf16=train.precision == "bf16",
+            params_dtype=config.params_dtype, use_distributed_optimizer=spec.distributed_optimizer), chunks)
+        config.finalize_model_grads_func = finalize_model_grads
+        sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size,
+                               global_batch_size=train.global_batch_size)
+        start_step = 0
+        if spec.load_dir:
+            start_step, sampler = load_checkpoint(chunks, optimizer, sampler, spec.load_dir)
+        return _loop(ctx, spec, chunks, optimizer, sampler, start_step, get_forward_backward_func())
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: SamplerState, start_step: int,
+          forward_backward: Any) -> RankResult:
+    from megatron.core import parallel_state as ps
+
+    train, model_spec = spec.train, spec.model
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    num_micro = train.grad_accumulation(dp)
+    dataset = TokenDataset(seed=train.seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+                           vocab_size=model_spec.vocab_size)
+    device = "cpu" if ctx.device_type == "cpu" else ctx.device
+    log = MetricsLog(spec.metrics_path, enabled=ctx.rank == 0)
+    metrics: list[StepMetrics] = []
+    checkpoints: list[str] = []
+    stopped = None
+    try:
+        for step in range(start_step, spec.steps):
+            began = time.perf_counter()
+            lr = lr_at(train.lr_schedule, train.optimizer.lr, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = _micro_batches(dataset, rank_micro_batches(global_batch_indices(sampler), dp_rank, dp,
+                                                                  train.micro_batch_size))
+            if device != "cpu":
+                batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            iterators = [iter(batches) for _ in chunks]
+            losses = forward_backward(
+                forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
+                seq_length=model_spec.seq_length, micro_batch_size=train.micro_batch_size, forward_only=False)
+            _, grad_norm, _ = optimizer.step()
+            # Every rank of the last pipeline stage holds its DP shard's losses; average them all.
+            summed = torch.zeros(2, dtype=torch.float64)
+            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                summed[0] = sum(float(item["lm loss"]) for item in losses)
+                summed[1] = len(losses)
+            dist.all_reduce(summed)
+            sampler = sampler.advance()
+            record = StepMetrics(
+                step=step + 1, loss=float(summed[0] / summed[1]),
+                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
+                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
+            metrics.append(record)
+            message = log.write(record)
+            if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
+                checkpoints.append(save_checkpoint(chunks, optimizer, step + 1, sampler, spec.save_dir))
+            if message and spec.stop_on_nonfinite:
+                stopped = message
+                break
+    finally:
+        log.close()
+    return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
+                      checkpoints=tuple(checkpoints), stopped=stopped,
+                      extra={"tp": spec.tp, "pp": spec.pp, "ep": spec.ep, "vpp": spec.vpp, "dp": dp,
+                             "distributed_optimizer": spec.distributed_optimizer})

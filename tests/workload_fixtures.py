@@ -1,0 +1,70 @@
+"""Session-scoped fixtures with checkpoints written by the real engines.
+
+Import them in tests/conftest.py (`from tests.workload_fixtures import *` or by name).
+`deepspeed_checkpoint(world_size, zero_stage, dtype="fp32", steps=2)` trains once per
+distinct argument tuple per session and returns a `TrainedCheckpoint` (its `.path` is the
+DeepSpeed save dir holding `latest` and `global_step<steps>/`).
+"""
+from __future__ import annotations
+
+import pytest
+
+from migrate.workload import fixtures
+from migrate.workload.fixtures import TrainedCheckpoint
+
+__all__ = ["deepspeed_checkpoint", "megatron_checkpoint", "fsdp_checkpoint", "workload_extensions_dir"]
+
+
+@pytest.fixture(scope="session")
+def workload_extensions_dir(tmp_path_factory):
+    """One TORCH_EXTENSIONS_DIR per session: DeepSpeed's shm op compiles once (~30 s)."""
+    import os
+
+    path = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    return path
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoint(tmp_path_factory, workload_extensions_dir):
+    cache: dict[tuple, TrainedCheckpoint] = {}
+
+    def get(world_size: int, zero_stage: int, dtype: str = "fp32", steps: int = 2) -> TrainedCheckpoint:
+        key = (world_size, zero_stage, dtype, steps)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"ds_ws{world_size}_z{zero_stage}_{dtype}_s{steps}")
+            cache[key] = fixtures.make_deepspeed_checkpoint(directory, world_size, zero_stage, dtype, steps)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def megatron_checkpoint(tmp_path_factory):
+    """`get(tp, pp, dp, ep=1, moe=False, steps=2)` -> TrainedCheckpoint of a torch_dist checkpoint
+    with the distributed optimizer state."""
+    cache: dict[tuple, TrainedCheckpoint] = {}
+
+    def get(tp: int, pp: int, dp: int, ep: int = 1, moe: bool = False, steps: int = 2) -> TrainedCheckpoint:
+        key = (tp, pp, dp, ep, moe, steps)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"mcore_tp{tp}_pp{pp}_dp{dp}_ep{ep}")
+            cache[key] = fixtures.make_megatron_checkpoint(directory, tp=tp, pp=pp, dp=dp, ep=ep, moe=moe, steps=steps)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fsdp_checkpoint(tmp_path_factory):
+    """`get(world_size, steps=2)` -> TrainedCheckpoint of an FSDP2 DCP checkpoint."""
+    cache: dict[tuple, TrainedCheckpoint] = {}
+
+    def get(world_size: int, steps: int = 2) -> TrainedCheckpoint:
+        key = (world_size, steps)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"fsdp_ws{world_size}")
+            cache[key] = fixtures.make_fsdp_checkpoint(directory, world_size=world_size, steps=steps)
+        return cache[key]
+
+    return get
