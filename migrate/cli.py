@@ -11,7 +11,7 @@ import click
 from migrate import __version__
 
 # Commands with a module of their own (migrate/commands/<name>.py exposing ``command``).
-_COMMAND_MODULES = ("validate", "run", "status")
+_COMMAND_MODULES = ("validate", "run", "status", "inspect", "convert")
 
 
 def _build() -> click.Group:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import socket
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -139,6 +139,9 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
 def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO 1/2 link optimizer-state fragments lazily (at the first step)
+        link()
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in engine.module.named_parameters():
         out[name] = {
@@ -251,6 +254,53 @@ def load_and_probe(ckpt_dir: Path, *, world_size: int, stage: int, dtype: str, o
     blob = torch.load(Path(result_dir, "rank0.pt"), weights_only=True)
     return LoadedState(params=blob["state"], meta=blob["meta"], probe_loss=blob["probe_loss"],
                        probe_after_step=blob["probe_after_step"], launch_notes=tuple(notes))
+
+
+def universal_reference(ckpt_dir: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Per param fp32 / exp_avg / exp_avg_sq as DeepSpeed's own ds_to_universal extracts them."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    root = Path(ckpt_dir)
+    tag_dir = root / (root / "latest").read_text().strip() if (root / "latest").exists() else root
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)
+    ref: dict[str, dict[str, torch.Tensor]] = {}
+    for param_dir in sorted(d for d in Path(out, "zero").iterdir() if d.is_dir()):
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            blob = torch.load(param_dir / f"{kind}.pt", weights_only=True)
+            ref.setdefault(param_dir.name, {})[kind] = blob["param"] if isinstance(blob, dict) else blob
+    return ref
+
+
+def zero_to_fp32_reference(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights as DeepSpeed's own zero_to_fp32 extracts them."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir)))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory):
+    """Session factory: `get(spec) -> checkpoint dir`, each spec trained once per test session."""
+    root = tmp_path_factory.mktemp("ds_sources")
+    made: dict[DSCheckpointSpec, Path] = {}
+
+    def get(spec: DSCheckpointSpec) -> Path:
+        if spec not in made:
+            made[spec] = make_deepspeed_checkpoint(spec, root)
+        return made[spec]
+
+    return get
 
 
 if __name__ == "__main__":  # manual: python tests/ds_checkpoint_fixtures.py ROOT WS STAGE DTYPE

@@ -148,7 +148,7 @@ def run_pipeline(
     this_run: dict[str, StageArtifact] = {}
     for name in execution_order(selected):
         stage = STAGES[name]
-        upstream = {dep: this_run.get(dep) or read_artifact(job, dep) for dep in stage.depends_on}
+        upstream = {dep: this_run.get(dep) or read_artifact(job, dep) for dep in stage.upstream_in(listed)}
         digest, inputs = input_hash(stage, job, {k: v for k, v in upstream.items() if v is not None})
         previous = read_artifact(job, name)
         decision = decide(stage=name, input_hash=digest, previous=previous, force=force, upstream=upstream)

@@ -124,8 +124,10 @@ class StageContext:
 class StageDefinition:
     """A checklist stage: its name, what it needs, its options and the function that runs it.
 
-    ``reads`` names the job sections that are inputs of the stage (hashed for the skip
-    decision); ``fingerprint`` adds inputs outside the job file (e.g. a checkpoint's
+    ``depends_on`` stages must be in the job and succeed first; ``after`` stages are used
+    when the job lists them (run first, their results hashed, a failure blocks this one)
+    and ignored otherwise. ``reads`` names the job sections that are inputs of the stage
+    (hashed for the skip decision); ``fingerprint`` adds inputs outside the job file (e.g. a checkpoint's
     files); ``version`` changes whenever the stage's logic changes its results.
     """
 
@@ -134,6 +136,11 @@ class StageDefinition:
     run: Callable[[StageContext], StageOutcome]
     options: type[BaseModel] = StageOptions
     depends_on: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
     reads: tuple[str, ...] = ("source", "target", "model", "training")
     fingerprint: Callable[["Job", BaseModel], Mapping[str, Any]] | None = None
     version: str = "1"
+
+    def upstream_in(self, listed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        """The stages whose results this one uses in a job listing ``listed``."""
+        return self.depends_on + tuple(s for s in self.after if s in listed and s not in self.depends_on)

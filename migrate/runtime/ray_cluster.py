@@ -70,7 +70,10 @@ def connect(address: str = "embedded", *, num_cpus: int | None = None, resources
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs: dict[str, Any] = {"namespace": "migrate", "log_to_driver": True, "configure_logging": False}
+    # Rank output stays in Ray's session logs (/tmp/ray/session_latest/logs): failures reach the
+    # driver as WorkerGroupError with the rank's traceback, progress through the stages.
+    log_to_driver = os.environ.get("MIGRATE_RAY_LOG_TO_DRIVER", "0") == "1"
+    kwargs: dict[str, Any] = {"namespace": "migrate", "log_to_driver": log_to_driver, "configure_logging": False}
     try:
         if address == "embedded":
             ray.init(

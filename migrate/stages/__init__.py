@@ -7,7 +7,7 @@ from importlib import import_module
 from migrate.pipeline.stage import StageDefinition
 
 # Registry order is the default execution order among independent stages.
-_STAGE_MODULES = ("preflight", "comm", "ops", "gate")
+_STAGE_MODULES = ("preflight", "comm", "ops", "train", "convert", "gate")
 
 STAGES: dict[str, StageDefinition] = {}
 for _module in _STAGE_MODULES:
@@ -27,7 +27,7 @@ def stage_order_problems(listed: tuple[str, ...]) -> list[str]:
 
 
 def execution_order(names: tuple[str, ...] | list[str]) -> list[str]:
-    """``names`` sorted so that every stage comes after its dependencies (registry order otherwise)."""
+    """``names`` sorted so that every stage comes after the stages it uses (registry order otherwise)."""
     wanted = set(names)
     ordered: list[str] = []
     visiting: set[str] = set()
@@ -38,7 +38,7 @@ def execution_order(names: tuple[str, ...] | list[str]) -> list[str]:
         if name in visiting:
             raise ValueError(f"stage dependency cycle through {name!r}")
         visiting.add(name)
-        for dep in STAGES[name].depends_on:
+        for dep in STAGES[name].upstream_in(tuple(wanted)):
             visit(dep)
         visiting.discard(name)
         ordered.append(name)

@@ -1,0 +1,1 @@
+"""Readers and writers of the checkpoint formats the converter supports."""

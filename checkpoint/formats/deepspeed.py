@@ -1,0 +1,558 @@
+"""DeepSpeed ZeRO 1/2/3 checkpoints: reader (metadata-only index) and writer (any DP size, any stage).
+
+On-disk layout (DeepSpeed 0.19, one model-parallel rank):
+* ZeRO 1/2: `<tag>/mp_rank_00_model_states.pt` (full module weights, `param_shapes`, scheduler,
+  step counters, client state) and `<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt` with
+  each param group's params flattened in order, padded to a multiple of 2*dp, cut into dp equal
+  partitions (padding at the end: the last ranks). exp_avg/exp_avg_sq are saved padded, the fp32
+  partition without the padding (`group_paddings`).
+* ZeRO 3: `<tag>/zero_pp_rank_{r}_mp_rank_00_model_states.pt` (module with empty params) and optim
+  files with `fp32_flat_groups`: every param is cut separately into dp pieces of ceil(numel/dp)
+  (zero-padded on the last ranks), pieces concatenated per rank in param order, in sub-groups
+  of about `sub_group_size` elements.
+The partition math below is shared by the reader (where is each element) and the writer (where
+must it go), so both describe a layout the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint import safe_load
+from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+
+FORMAT = "deepspeed"
+OSD = "optimizer_state_dict"
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_STANDARD_MODEL_KEYS = ("module", "param_shapes")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# ---------------------------------------------------------------- partition math (pure)
+
+def z12_partition_size(group: Sequence[Param], dp: int) -> tuple[int, int]:
+    """(partition numel per rank, padding) of one ZeRO-1/2 param group at dp ranks."""
+    total = sum(p.numel for p in group)
+    align = 2 * dp
+    padded = -(-total // align) * align
+    return padded // dp, padded - total
+
+
+def z12_chunks(group: Sequence[Param], dp: int) -> dict[str, list[tuple[int, tuple[int, int], int]]]:
+    """Per param: [(rank, flat range in the param, storage offset in the rank's partition)]."""
+    size, _ = z12_partition_size(group, dp)
+    out: dict[str, list[tuple[int, tuple[int, int], int]]] = {}
+    offset = 0
+    for p in group:
+        pieces = []
+        for r in range(dp):
+            lo, hi = max(offset, r * size), min(offset + p.numel, (r + 1) * size)
+            if lo < hi:
+                pieces.append((r, (lo - offset, hi - offset), lo - r * size))
+        out[p.name] = pieces
+        offset += p.numel
+    return out
+
+
+def z3_piece(numel: int, dp: int) -> int:
+    """Elements of one param every ZeRO-3 rank holds (ceil(numel/dp), the last ranks zero-padded)."""
+    return -(-numel // dp)
+
+
+def z3_sub_groups(params: Sequence[Param], dp: int, sub_group_size: int) -> list[list[Param]]:
+    """DeepSpeed stage3 `_create_fp16_sub_groups`: cut a param group once a sub-group's partition
+    numel reaches sub_group_size."""
+    if sub_group_size >= sum(z3_piece(p.numel, dp) for p in params):
+        return [list(params)]
+    groups, cur, size = [], [], 0
+    for p in params:
+        cur.append(p)
+        size += z3_piece(p.numel, dp)
+        if size >= sub_group_size or p is params[-1]:
+            groups.append(cur)
+            cur, size = [], 0
+    return groups
+
+
+def z3_chunks(sub_group: Sequence[Param], dp: int) -> dict[str, list[tuple[int, tuple[int, int], int]]]:
+    """Per param of a sub-group: [(rank, flat range in the param, storage offset in the sub-group)]."""
+    out: dict[str, list[tuple[int, tuple[int, int], int]]] = {}
+    offset = 0
+    for p in sub_group:
+        c = z3_piece(p.numel, dp)
+        out[p.name] = [(r, (r * c, min((r + 1) * c, p.numel)), offset) for r in range(dp) if r * c < p.numel]
+        offset += c
+    return out
+
+
+# ---------------------------------------------------------------- file names
+
+def optim_file(tag: str, rank: int, bf16: bool) -> str:
+    return f"{tag}/{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_file(tag: str, stage: int, rank: int = 0) -> str:
+    return f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else f"{tag}/mp_rank_00_model_states.pt"
+
+
+def _plain(obj: Any) -> Any:
+    """Non-tensor checkpoint values as plain data (torch.Size -> list; enums -> value; objects -> dict)."""
+    if isinstance(obj, torch.Tensor):
+        raise CheckpointFormatError("unexpected tensor in DeepSpeed metadata")
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "value") and type(obj).__name__.endswith("Enum"):
+        return obj.value
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {"__class__": f"{type(obj).__module__}.{type(obj).__qualname__}", **_plain(vars(obj))}
+    return obj
+
+
+# ---------------------------------------------------------------- reader
+
+def resolve_tag_dir(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
+    """(checkpoint root, tag) from a checkpoint directory (holding `latest`) or a tag directory."""
+    path = Path(path)
+    if tag is not None:
+        return path, tag
+    if (path / "latest").is_file():
+        return path, (path / "latest").read_text().strip()
+    if any(path.glob("*model_states.pt")):
+        return path.parent, path.name
+    raise CheckpointFormatError(f"{path}: not a DeepSpeed checkpoint (no `latest` file and no *model_states.pt)")
+
+
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    try:
+        root, tag = resolve_tag_dir(path)
+    except CheckpointFormatError:
+        return False
+    return (root / tag).is_dir() and any((root / tag).glob("*model_states.pt"))
+
+
+def _rank_files(tag_dir: Path) -> tuple[dict[int, str], bool]:
+    files: dict[int, str] = {}
+    bf16 = set()
+    for f in tag_dir.iterdir():
+        if m := _OPTIM_RE.match(f.name):
+            if m.group(3) != "00":
+                raise CheckpointFormatError(f"{f}: model-parallel DeepSpeed checkpoints (mp_rank {m.group(3)}) "
+                                            f"are not supported; only mp_rank_00")
+            files[int(m.group(2))] = f.name
+            bf16.add(bool(m.group(1)))
+    if not files:
+        raise CheckpointFormatError(f"{tag_dir}: no zero_pp_rank_*_optim_states.pt files")
+    if len(bf16) > 1:
+        raise CheckpointFormatError(f"{tag_dir}: both bf16_ and plain optimizer files present")
+    return files, bf16.pop()
+
+
+def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint: bool = False,
+                   expect_dp: int | None = None, expect_stage: int | None = None) -> CheckpointIndex:
+    """Index a DeepSpeed ZeRO checkpoint from its metadata (files opened with mmap; no tensor data read).
+
+    Raises CheckpointFormatError for missing/truncated shards and LayoutMismatchError when the files
+    contradict each other or the expected dp size / stage.
+    """
+    root, tag = resolve_tag_dir(path, tag)
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise CheckpointFormatError(f"{tag_dir}: tag directory missing (latest says {tag!r})")
+    optim_names, bf16 = _rank_files(tag_dir)
+    z3_models = sorted(f.name for f in tag_dir.iterdir() if _Z3_MODEL_RE.match(f.name))
+    stage3 = bool(z3_models)
+    model_rel = model_file(tag, 3 if stage3 else 1)
+    model_sd = safe_load.load(root / model_rel, mmap=True, trust_checkpoint=trust_checkpoint)
+    dp = int(model_sd["dp_world_size"])
+    missing = [r for r in range(dp) if r not in optim_names]
+    extra = sorted(r for r in optim_names if r >= dp)
+    if missing or extra:
+        raise CheckpointFormatError(
+            f"{tag_dir}: {model_rel} says dp_world_size={dp} but optimizer shards for ranks {missing} are missing"
+            + (f" and ranks {extra} are unexpected" if extra else "")
+            + f" (expected {optim_file(tag, missing[0] if missing else 0, bf16).split('/')[-1]} ...)")
+    if stage3 and len(z3_models) != dp:
+        raise CheckpointFormatError(f"{tag_dir}: ZeRO-3 needs {dp} model_states files, found {len(z3_models)}")
+    if expect_dp is not None and expect_dp != dp:
+        raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint was saved at dp={dp}")
+    optim = [safe_load.load(tag_dir / optim_names[r], mmap=True, trust_checkpoint=trust_checkpoint)
+             for r in range(dp)]
+    osd0 = optim[0][OSD]
+    stage = int(_plain(osd0["zero_stage"]))
+    if stage3 != (stage == 3):
+        raise LayoutMismatchError(f"{tag_dir}: file layout says {'ZeRO-3' if stage3 else 'ZeRO-1/2'} but "
+                                  f"{optim_names[0]} says zero_stage={stage}")
+    if expect_stage is not None and expect_stage != stage:
+        raise LayoutMismatchError(f"{root}: declared zero stage {expect_stage} but the checkpoint is stage {stage}")
+    if model_sd.get("frozen_param_shapes"):
+        raise CheckpointFormatError(f"{root / model_rel}: frozen parameters "
+                                    f"({list(model_sd['frozen_param_shapes'])[:3]}...) are not supported")
+    groups = [[Param(name=n, shape=tuple(s)) for n, s in g.items()] for g in model_sd["param_shapes"]]
+    module = model_sd["module"]
+    buffer_names = list(model_sd.get("buffer_names", []))
+    model_dtype = dtype_name(next(iter(module.values())).dtype) if module else "float32"
+    entries: list[TensorEntry] = []
+    for name in buffer_names:
+        t = module[name]
+        entries.append(_full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), t))
+    if not stage3:
+        for g in groups:
+            for p in g:
+                entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
+                                           module[p.name], shape=p.shape))
+        entries += _z12_entries(groups, dp, tag, bf16, optim, root)
+        hparams = [_hparams(pg) for pg in osd0["base_optimizer_state"]["param_groups"]]
+    else:
+        sub_size = int(model_sd.get("ds_config", {}).get("zero_optimization", {}).get(
+            "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+        entries += _z3_entries(groups, dp, tag, bf16, optim, root, sub_size)
+        hparams = [_hparams(pg) for pg in osd0[OSD]["param_groups"]]
+    for e in entries:
+        e.check_complete()
+    loss_scaler = osd0.get("loss_scaler")
+    meta = {
+        "stage": stage, "dp": dp, "tag": tag, "dtype": model_dtype, "bf16_files": bf16,
+        "param_groups": [[(p.name, list(p.shape)) for p in g] for g in groups],
+        "module_keys": list(module.keys()), "buffer_names": buffer_names,
+        "param_group_hparams": hparams,
+        "model_state": {k: v for k, v in model_sd.items() if k not in _STANDARD_MODEL_KEYS},
+        "loss_scaler": None if loss_scaler is None else _plain(loss_scaler),
+        "optimizer_flags": {k: osd0[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in osd0},
+        "ds_version": str(optim[0].get("ds_version", model_sd.get("ds_version", ""))),
+        "global_steps": model_sd.get("global_steps"),
+    }
+    model_files = [f"{tag}/{n}" for n in z3_models] if stage3 else [model_rel]
+    files = (*model_files, *(f"{tag}/{optim_names[r]}" for r in range(dp)))
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=_plain(meta))
+
+
+def _hparams(pg: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in pg.items() if k != "params"}
+
+
+def _full_entry(key: TensorKey, file: str, path: KeyPath, t: torch.Tensor,
+                shape: tuple[int, ...] | None = None) -> TensorEntry:
+    shape = tuple(t.shape) if shape is None else shape
+    if tuple(t.shape) != shape:
+        raise LayoutMismatchError(f"{file}: {key.name} has shape {tuple(t.shape)} but param_shapes says {shape}")
+    return TensorEntry(key=key, shape=shape, dtype=dtype_name(t.dtype),
+                       chunks=(ChunkRef(file=file, key=path, offsets=(0,) * len(shape), lengths=shape),))
+
+
+def _optimizer_paths(stage: int, group: int) -> dict[Kind, KeyPath]:
+    if stage == 3:
+        return {Kind.MASTER: (OSD, "fp32_flat_groups", group),
+                Kind.EXP_AVG: (OSD, OSD, "state", group, "exp_avg"),
+                Kind.EXP_AVG_SQ: (OSD, OSD, "state", group, "exp_avg_sq"),
+                Kind.STEP: (OSD, OSD, "state", group, "step")}
+    return {Kind.MASTER: (OSD, "single_partition_of_fp32_groups", group),
+            Kind.EXP_AVG: (OSD, "base_optimizer_state", "state", group, "exp_avg"),
+            Kind.EXP_AVG_SQ: (OSD, "base_optimizer_state", "state", group, "exp_avg_sq"),
+            Kind.STEP: (OSD, "base_optimizer_state", "state", group, "step")}
+
+
+def _stored(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> torch.Tensor | None:
+    cur: Any = optim[rank]
+    for k in path:
+        try:
+            cur = cur[k]
+        except (KeyError, IndexError):
+            return None
+    if not isinstance(cur, torch.Tensor):
+        raise CheckpointFormatError(f"{where}: {list(path)} is {type(cur).__name__}, not a tensor")
+    return cur
+
+
+def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tuple[int, tuple[int, int], int]]],
+                                         list[int]]],
+                  stage: int, tag: str, bf16: bool, optim: Sequence[Any], root: Path) -> list[TensorEntry]:
+    """Entries for fp32 master / exp_avg / exp_avg_sq / step from flat groups, checking stored sizes.
+
+    `layout` holds per flat group: (flat group id, param group id, params, chunks per param, fp32 master
+    numel per rank, padded partition size at which the moments are stored).
+    """
+    entries: list[TensorEntry] = []
+    for gid, _, params, chunks, master_numels, padded in layout:
+        paths = _optimizer_paths(stage, gid)
+        for kind, path in paths.items():
+            if kind is Kind.STEP:
+                continue
+            for r in range(len(optim)):
+                where = str(root / optim_file(tag, r, bf16))
+                t = _stored(optim, r, path, where)
+                if t is None:
+                    if kind is Kind.MASTER:
+                        raise CheckpointFormatError(f"{where}: {list(path)} missing")
+                    continue
+                want = master_numels[r] if kind is Kind.MASTER else padded
+                if t.numel() != want:
+                    raise LayoutMismatchError(
+                        f"{where}: {list(path)} holds {t.numel()} elements, but ZeRO-{stage} at dp={len(optim)} "
+                        f"for params {[p.name for p in params][:4]}... needs {want}")
+        has_state = _stored(optim, 0, paths[Kind.EXP_AVG], "") is not None
+        kinds = [Kind.MASTER] + ([Kind.EXP_AVG, Kind.EXP_AVG_SQ] if has_state else [])
+        for p in params:
+            for kind in kinds:
+                refs = tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind], offsets=(0,) * len(p.shape),
+                                      lengths=p.shape, flat_range=fr, storage_offset=so)
+                             for r, fr, so in chunks[p.name])
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=p.shape, dtype="float32",
+                                           chunks=refs))
+            step = _stored(optim, 0, paths[Kind.STEP], "")
+            if has_state and step is not None:
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.STEP), shape=tuple(step.shape),
+                                           dtype=dtype_name(step.dtype),
+                                           chunks=(ChunkRef(file=optim_file(tag, 0, bf16), key=paths[Kind.STEP],
+                                                            offsets=(0,) * step.dim(), lengths=tuple(step.shape)),)))
+    return entries
+
+
+def _z12_layout(groups: Sequence[Sequence[Param]], dp: int):
+    out = []
+    for gid, g in enumerate(groups):
+        size, pad = z12_partition_size(g, dp)
+        master = [size - max(0, min(size, (r + 1) * size - (dp * size - pad))) for r in range(dp)]
+        out.append((gid, gid, g, z12_chunks(g, dp), master, size))
+    return out
+
+
+def _z3_layout(groups: Sequence[Sequence[Param]], dp: int, sub_group_size: int):
+    out = []
+    for pg, g in enumerate(groups):
+        for sg in z3_sub_groups(g, dp, sub_group_size):
+            numel = sum(z3_piece(p.numel, dp) for p in sg)
+            out.append((len(out), pg, sg, z3_chunks(sg, dp), [numel] * dp, numel))
+    return out
+
+
+def _z12_entries(groups, dp, tag, bf16, optim, root) -> list[TensorEntry]:
+    for gid, g in enumerate(groups):
+        for r in range(dp):
+            pc = optim[r][OSD].get("partition_count")
+            count = pc[gid] if isinstance(pc, list) else pc
+            if count != dp:
+                raise LayoutMismatchError(f"{root / optim_file(tag, r, bf16)}: partition_count {count} != "
+                                          f"dp_world_size {dp} (group {gid})")
+    return _flat_entries(_z12_layout(groups, dp), 2, tag, bf16, optim, root)
+
+
+def _z3_entries(groups, dp, tag, bf16, optim, root, sub_group_size) -> list[TensorEntry]:
+    layout = _z3_layout(groups, dp, sub_group_size)
+    stored = len(optim[0][OSD]["fp32_flat_groups"])
+    if stored != len(layout):
+        raise LayoutMismatchError(f"{root / optim_file(tag, 0, bf16)}: {stored} fp32 sub-groups stored, the "
+                                  f"params and sub_group_size={sub_group_size} give {len(layout)}")
+    return _flat_entries(layout, 3, tag, bf16, optim, root)
+
+
+# ---------------------------------------------------------------- writer
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSpeedWriter:
+    """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written)."""
+
+    def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role == "latest":
+            return meta["tag"]
+        if file.role == "model_states":
+            return _model_states(file, buffers, meta)
+        if file.role == "optim_states":
+            return _optim_states(file, buffers, meta)
+        raise PlanError(f"DeepSpeed writer: unknown file role {file.role!r} for {file.path}")
+
+
+def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> TargetSpec:
+    """The files and chunks of `source`'s training state as a DeepSpeed ZeRO-`zero_stage` checkpoint at dp.
+
+    The source must carry DeepSpeed-style metadata (param groups, scheduler, ...): a DeepSpeed or
+    DeepSpeed-universal index. Precision is kept: bf16/fp16 sources give bf16/fp16 targets.
+    """
+    if dp < 1 or zero_stage not in (1, 2, 3):
+        raise PlanError(f"DeepSpeed target needs dp >= 1 and zero_stage in 1..3, got dp={dp} zero_stage={zero_stage}")
+    m = source.meta
+    for k in ("param_groups", "tag", "dtype", "model_state", "param_group_hparams"):
+        if k not in m:
+            raise PlanError(f"source {source.root} ({source.format}) lacks DeepSpeed metadata {k!r}")
+    tag, dtype, bf16 = m["tag"], m["dtype"], m["dtype"] == "bfloat16"
+    groups = [[Param(name=n, shape=tuple(s)) for n, s in g] for g in m["param_groups"]]
+    src = source.by_key()
+    has_state = any(k.kind is Kind.EXP_AVG for k in src)
+    has_step = any(k.kind is Kind.STEP for k in src)
+    entries: list[TensorEntry] = []
+    buffers: dict[str, list[TargetBuffer]] = {}
+
+    def add(file: str, key: KeyPath, shape: tuple[int, ...], dt: str) -> None:
+        buffers.setdefault(file, []).append(TargetBuffer(key=key, shape=shape, dtype=dt))
+
+    model_files = [model_file(tag, zero_stage, r) for r in range(dp if zero_stage == 3 else 1)]
+    for name in m["buffer_names"]:
+        e = src[TensorKey(name=name, kind=Kind.PARAM)]
+        for mf in model_files:
+            add(mf, ("module", name), e.shape, e.dtype)
+        entries.append(TensorEntry(key=e.key, shape=e.shape, dtype=e.dtype, chunks=tuple(
+            ChunkRef(file=mf, key=("module", name), offsets=(0,) * len(e.shape), lengths=e.shape)
+            for mf in model_files)))
+    if zero_stage != 3:
+        for g in groups:
+            for p in g:
+                add(model_files[0], ("module", p.name), p.shape, dtype)
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dtype,
+                                           chunks=(ChunkRef(file=model_files[0], key=("module", p.name),
+                                                            offsets=(0,) * len(p.shape), lengths=p.shape),)))
+        layout = _z12_layout(groups, dp)
+    else:
+        sub = int(m["model_state"].get("ds_config", {}).get("zero_optimization", {}).get(
+            "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+        layout = _z3_layout(groups, dp, sub)
+    step_dtype = next((e.dtype for e in source.entries if e.key.kind is Kind.STEP), "float32")
+    flat_groups = []
+    for gid, pg, params, chunks, master_numels, padded in layout:
+        paths = _optimizer_paths(zero_stage, gid)
+        kinds = [Kind.MASTER] + ([Kind.EXP_AVG, Kind.EXP_AVG_SQ] if has_state else [])
+        for r in range(dp):
+            of = optim_file(tag, r, bf16)
+            for kind in kinds:
+                add(of, paths[kind], (master_numels[r] if kind is Kind.MASTER else padded,), "float32")
+            if has_state and has_step:
+                add(of, paths[Kind.STEP], (), step_dtype)
+        for p in params:
+            for kind in kinds:
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=p.shape, dtype="float32",
+                                           chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind],
+                                                                 offsets=(0,) * len(p.shape), lengths=p.shape,
+                                                                 flat_range=fr, storage_offset=so)
+                                                        for r, fr, so in chunks[p.name])))
+        if has_state and has_step:
+            first = params[0].name
+            entries.append(TensorEntry(key=TensorKey(name=first, kind=Kind.STEP), shape=(), dtype=step_dtype,
+                                       chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[Kind.STEP],
+                                                             offsets=(), lengths=()) for r in range(dp))))
+        flat_groups.append({"param_group": pg, "params": [p.name for p in params], "master_numels": master_numels,
+                            "partition_size": padded,
+                            "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
+    meta = {**m, "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
+            "has_step": has_step}
+    files = [TargetFile(path="latest", role="latest", rank=None)]
+    files += [TargetFile(path=mf, role="model_states", rank=(r if zero_stage == 3 else None),
+                         buffers=tuple(buffers.get(mf, ()))) for r, mf in enumerate(model_files)]
+    files += [TargetFile(path=optim_file(tag, r, bf16), role="optim_states", rank=r,
+                         buffers=tuple(buffers[optim_file(tag, r, bf16)])) for r in range(dp)]
+    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
+                            meta=meta)
+    return TargetSpec(index=index, files=tuple(files))
+
+
+def _ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
+    cfg = copy.deepcopy(dict(meta["model_state"].get("ds_config", {})))
+    cfg.setdefault("zero_optimization", {})["stage"] = meta["stage"]
+    return cfg
+
+
+def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+    dtype = getattr(torch, meta["dtype"])
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name in meta["module_keys"]:
+        buf = buffers.get(("module", name))
+        module[name] = buf if buf is not None else torch.empty(0, dtype=dtype)
+    state = {"module": module} | copy.deepcopy(dict(meta["model_state"]))
+    state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in g) for g in meta["param_groups"]]
+    for k in ("frozen_param_shapes", "frozen_param_fragments"):
+        if isinstance(state.get(k), dict):  # empty (the reader refuses frozen params); None stays None
+            state[k] = OrderedDict()
+    state["dp_world_size"] = meta["dp"]
+    state["ds_config"] = _ds_config(meta)
+    order = ["module", "buffer_names", "optimizer", "param_shapes"]
+    return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
+
+
+def _loss_scaler(meta: Mapping[str, Any]) -> Any:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    spec = meta.get("loss_scaler")
+    if spec is None:
+        return LossScaler(scale=1.0)
+    cls = DynamicLossScaler if spec.get("__class__", "").endswith("DynamicLossScaler") else LossScaler
+    obj = cls.__new__(cls)
+    obj.__dict__.update({k: v for k, v in spec.items() if k != "__class__"})
+    return obj
+
+
+def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    stage, dp, rank = meta["stage"], meta["dp"], file.rank
+    flags = meta["optimizer_flags"]
+    hparams = meta["param_group_hparams"]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    masters = []
+    groups_hp = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
+    for gid, fg in enumerate(meta["flat_groups"]):
+        paths = _optimizer_paths(stage, gid)
+        masters.append(buffers[paths[Kind.MASTER]])
+        if meta["has_state"]:
+            st = {}
+            if meta["has_step"]:
+                st["step"] = buffers[paths[Kind.STEP]]
+            st["exp_avg"] = buffers[paths[Kind.EXP_AVG]]
+            st["exp_avg_sq"] = buffers[paths[Kind.EXP_AVG_SQ]]
+            state[gid] = st
+        if fg["param_group"] >= len(groups_hp):
+            raise PlanError(f"{file.path}: flat group {gid} belongs to param group {fg['param_group']} but the "
+                            f"source has {len(groups_hp)} optimizer param groups")
+        groups_hp[fg["param_group"]]["params"].append(gid)
+    for hp in groups_hp:
+        if isinstance(hp.get("betas"), list):
+            hp["betas"] = tuple(hp["betas"])
+    base = {"state": state, "param_groups": groups_hp}
+    scaler = _loss_scaler(meta)
+    if stage == 3:
+        osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": scaler,
+               "dynamic_loss_scale": flags.get("dynamic_loss_scale", False), "overflow": flags.get("overflow", False),
+               "partition_count": dp, OSD: base, "fp32_flat_groups": masters}
+    else:
+        paddings, slice_maps = [], []
+        for gid, fg in enumerate(meta["flat_groups"]):
+            paddings.append(fg["partition_size"] - fg["master_numels"][rank] if rank == dp - 1 else 0)
+            mapping = OrderedDict()
+            for name in fg["params"]:
+                for r, (lo, hi), so in fg["chunks"][name]:
+                    if r == rank:
+                        mapping[name] = fragment_address(numel=hi - lo, start=so)
+            slice_maps.append(mapping)
+        osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
+               "overflow": flags.get("overflow", False)}
+        # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
+        osd["clip_grad"] = flags.get("clip_grad", _ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        osd |= {"base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
+                "zero_stage": ZeroStageEnum(stage), "group_paddings": paddings,
+                "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
+                "partition_count": [dp] * len(meta["flat_groups"]), "ds_version": meta["ds_version"],
+                "param_slice_mappings": slice_maps}
+    return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
+

@@ -1,0 +1,68 @@
+"""``migrate inspect CKPT [--json]``: what a checkpoint holds, from its metadata only."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import click
+
+from checkpoint.api import read_index
+from checkpoint.errors import CheckpointError
+from checkpoint.index import CheckpointIndex, Kind
+
+EXIT_BAD_INPUT = 2
+
+
+def describe(index: CheckpointIndex) -> dict[str, Any]:
+    """Format, layout, tensor count, bytes, dtypes, step and which state is present."""
+    kinds = Counter(str(e.key.kind) for e in index.entries)
+    meta = index.meta
+    steps = [e for e in index.entries if e.key.kind is Kind.STEP]
+    return {
+        "path": index.root,
+        "format": index.format,
+        "layout": {"dp": meta.get("dp"), "zero_stage": meta.get("stage"), "tp": 1, "pp": 1},
+        "tag": meta.get("tag"),
+        "tensors": len(index.entries),
+        "params": kinds.get(str(Kind.PARAM), 0) or kinds.get(str(Kind.MASTER), 0),
+        "bytes": index.nbytes,
+        "files": len(index.files),
+        "dtypes": index.dtypes(),
+        "model_dtype": meta.get("dtype"),
+        "global_step": meta.get("global_steps"),
+        "optimizer_steps": len(steps) > 0,
+        "state": {k: kinds.get(str(k), 0) for k in Kind},
+        "lr_scheduler": (meta.get("model_state") or {}).get("lr_scheduler") is not None,
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    lay = info["layout"]
+    state = ", ".join(f"{k} x{n}" for k, n in info["state"].items() if n) or "none"
+    return "\n".join([
+        f"{info['path']}",
+        f"  format      {info['format']} (tag {info['tag']})",
+        f"  layout      dp={lay['dp']} zero_stage={lay['zero_stage']} tp={lay['tp']} pp={lay['pp']}",
+        f"  tensors     {info['tensors']} ({info['params']} params) in {info['files']} files, "
+        f"{info['bytes'] / 2**20:.2f} MiB",
+        f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",
+        f"  step        {info['global_step']}",
+        f"  state       {state}; lr scheduler {'yes' if info['lr_scheduler'] else 'no'}",
+    ])
+
+
+@click.command(name="inspect", help="Describe the checkpoint at CKPT (format, layout, tensors, bytes, state).")
+@click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
+@click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
+def command(ckpt: Path, as_json: bool, trust_checkpoint: bool) -> None:
+    try:
+        info = describe(read_index(ckpt, trust_checkpoint=trust_checkpoint))
+    except CheckpointError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    click.echo(json.dumps(info, indent=2) if as_json else render(info))

@@ -1,0 +1,100 @@
+"""Convert stage: the source checkpoint rewritten for the target layout, then verified.
+
+Reads `source.checkpoint` (or, when the job has none and lists the train stage, the
+baseline checkpoint that stage wrote), checked against `source.layout`, writes `<work_dir>/convert/checkpoint`
+in the target format at the target dp size and ZeRO stage (options, else `target.layout`, else the
+source's), with local worker processes, and verifies every tensor against the source. Fails when
+verification finds a difference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import Field
+
+from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+
+
+class ConvertOptions(StageOptions):
+    to_format: str = Field(default="deepspeed", description="target format")
+    dp: int | None = Field(default=None, ge=1, description="target dp size; default: target.layout, else the source's")
+    zero_stage: int | None = Field(default=None, ge=1, le=3, description="target ZeRO stage; default as dp")
+    workers: int = Field(default=1, ge=1, description="local processes writing target files")
+    verify: bool = Field(default=True, description="compare every converted tensor with the source")
+    trust_checkpoint: bool = Field(default=False, description="allow pickled classes outside the allow-list")
+
+
+def source_checkpoint(job: Any, upstream: Mapping[str, Any]) -> Path:
+    """The checkpoint to convert: the job's ``source.checkpoint``, else the baseline train run's."""
+    if job.spec.source.checkpoint is not None:
+        return job.resolve(job.spec.source.checkpoint.path)
+    train = upstream.get("train")
+    if train is not None and "checkpoint_dir" in train.outputs:
+        return Path(train.outputs["checkpoint_dir"])
+    raise ValueError("no source checkpoint: set source.checkpoint.path, or list the train stage (side: baseline) before convert")
+
+
+def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
+    """The source checkpoint's files (sizes and times): a changed source re-runs the conversion."""
+    if job.spec.source.checkpoint is None:
+        return {}  # the train stage's result is hashed as an upstream input
+    root = job.resolve(job.spec.source.checkpoint.path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+    return {"source_files": {str(p.relative_to(root)): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
+
+
+def run(ctx: StageContext) -> StageOutcome:
+    from checkpoint.api import convert, read_index
+    from checkpoint.execute import local_map
+    from checkpoint.plan import rank_summaries, summarize
+    from checkpoint.verify import compare_indexes
+
+    options: ConvertOptions = ctx.options  # type: ignore[assignment]
+    job = ctx.job.spec
+    src = source_checkpoint(ctx.job, ctx.upstream)
+    source_layout = job.source.layout.to_layout()
+    target_layout = job.target.layout.to_layout() if job.target.layout is not None else None
+    dp = options.dp or (target_layout.dp if target_layout else None)
+    stage = options.zero_stage or (target_layout.zero_stage if target_layout and target_layout.zero_stage else None)
+    dest = ctx.work_dir / "checkpoint"
+    if dest.exists():  # the stage owns this folder; a re-run rewrites it
+        shutil.rmtree(dest)
+    outcome = convert(src, dest, to=options.to_format, dp=dp, zero_stage=stage, map_fn=local_map(options.workers),
+                      trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
+                      expect_stage=source_layout.zero_stage or None)
+    result = outcome.result
+    problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
+    plan_text = summarize(outcome.plan)
+    (ctx.work_dir / "plan.txt").write_text(plan_text + "\n")
+    per_rank = [{"rank": s.rank, "files": list(s.files), "bytes_read": s.bytes_read, "bytes_written": s.bytes_written}
+                for s in rank_summaries(outcome.plan)]
+    (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems}, indent=2))
+    metrics = {"files": len(result.files), "bytes": result.nbytes, "seconds": round(result.seconds, 3),
+               "tensors": len(outcome.plan.target.index.entries), "verify_problems": len(problems),
+               "target_dp": outcome.plan.target.index.meta.get("dp"),
+               "target_zero_stage": outcome.plan.target.index.meta.get("stage")}
+    ctx.log_metrics(0, metrics)
+    summary = (f"Converted `{src}` to {options.to_format} dp={metrics['target_dp']} "
+               f"ZeRO-{metrics['target_zero_stage']}: {metrics['files']} files, {result.nbytes / 2**20:.2f} MiB in "
+               f"{result.seconds:.2f} s; verification: "
+               + ("every tensor equals the source" if options.verify and not problems else
+                  f"{len(problems)} problems" if problems else "skipped")
+               + f"\n\n```\n{plan_text}\n```\n")
+    return StageOutcome(verdict="fail" if problems else "pass", metrics=metrics,
+                        outputs={"checkpoint": str(dest), "plan": str(ctx.work_dir / "plan.txt")},
+                        reasons=tuple(problems[:20]), summary_md=summary)
+
+
+STAGE = StageDefinition(
+    name="convert",
+    description="rewrite the source checkpoint for the target layout (streamed, atomic) and verify it",
+    run=run,
+    options=ConvertOptions,
+    after=("train",),
+    reads=("source", "target"),
+    fingerprint=_fingerprint,
+)

@@ -1,0 +1,67 @@
+"""Search: the parallel plan for the target, chosen from measured steps.
+
+Enumerates every layout of the model on the target's devices (rejected ones keep their
+reasons), prunes what the memory model says cannot fit, ranks the rest with the calibrated
+cost model and profiles the most promising ones for real on the target (warm-up + timed
+steps of the built-in workload, or of the user's ``command``), with successive halving.
+Measurements go to ``<work_dir>/search/profiles.jsonl`` first, so a stopped search resumes.
+Writes ``ranking.json``, ``ranking.md`` and the chosen plan's runnable configs
+(``megatron_args.txt``, ``deepspeed.json``, ``target_layout.yaml``).
+"""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import Field
+
+from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+
+
+class SearchOptions(StageOptions):
+    frameworks: tuple[Literal["megatron", "deepspeed"], ...] = ("megatron", "deepspeed")
+    micro_batch_sizes: tuple[int, ...] | None = Field(default=None, description="None: powers of two up to max_micro_batch")
+    max_micro_batch: int = Field(default=8, ge=1)
+    recompute: tuple[Literal["none", "selective", "full"], ...] = ("none",)
+    sequence_parallel: Literal["auto", "both", "off"] = "auto"
+    vpp: tuple[int, ...] = (1, 2)
+    context_parallel: tuple[int, ...] = (1,)
+    max_trials: int | None = Field(default=None, ge=1, description="distinct candidates profiled at most")
+    max_fraction: float = Field(default=0.25, gt=0, le=1)
+    max_seconds: float | None = Field(default=None, gt=0)
+    min_steps: int = Field(default=2, ge=1)
+    max_steps: int = Field(default=8, ge=1)
+    warmup_steps: int = Field(default=1, ge=0)
+    target_mfu: float = Field(default=0.0, ge=0, le=1)
+    device_profile: str | None = Field(default=None, description="overrides target.device_profile")
+    command: str | None = Field(default=None, description="the user's launch command template; None: built-in workloads")
+    overlap_grad_reduce: bool = False
+    profile: bool = Field(default=True, description="False: rank analytically only (no runs)")
+
+
+def run(ctx: StageContext) -> StageOutcome:
+    from migrate.search.run import search_job
+
+    options: SearchOptions = ctx.options  # type: ignore[assignment]
+    outcome = search_job(ctx.job, options, ctx.work_dir, start_group=lambda: ctx.worker_group())
+    result, paths, reasons = outcome.result, outcome.paths, outcome.reasons
+    metrics = {"space": result.space_size, "rejected": result.rejected, "feasible": result.feasible,
+               "profiled": result.profiled, "profiled_fraction": round(result.profiled_fraction, 4),
+               "profile_calls": result.profile_calls, "cache_hits": result.cache_hits,
+               "target_met": result.target_met}
+    if result.chosen is not None:
+        metrics |= {"chosen": result.chosen.candidate.key, "chosen_step_s": result.chosen.measured_s,
+                    "chosen_mfu": result.chosen.measured_mfu}
+    ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    (ctx.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
+    return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, reasons=tuple(reasons),
+                        outputs={k: str(v) for k, v in paths.items()}, summary_md=outcome.summary)
+
+
+STAGE = StageDefinition(
+    name="search",
+    description="choose the target's TP/PP/EP/DP plan from measured steps; emit runnable configs",
+    run=run,
+    options=SearchOptions,
+    reads=("target", "model", "training"),
+)

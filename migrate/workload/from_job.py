@@ -1,0 +1,79 @@
+"""Map a validated job onto the built-in workloads' specs (pure)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from checkpoint.layout import OptimizerSharding, ParallelLayout
+from migrate.job.schema import JobSpec
+from migrate.workload.model_spec import Engine, LRScheduleSpec, ModelSpec, OptimizerSpec, RunSpec, TrainSpec
+
+Side = Literal["baseline", "target"]
+
+_ENGINE_OF_FORMAT: dict[str, Engine] = {"deepspeed": "deepspeed", "megatron": "megatron", "megatron_legacy": "megatron", "dcp": "fsdp"}
+
+
+def model_spec(job: JobSpec) -> ModelSpec:
+    m = job.model
+    return ModelSpec(
+        architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups, vocab_size=m.vocab_size, seq_length=m.seq_length,
+        tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, rotary_base=m.rotary_base, norm_eps=m.norm_eps,
+    )
+
+
+def train_spec(job: JobSpec) -> TrainSpec:
+    t = job.training
+    if t.precision == "fp16":
+        raise ValueError("training.precision 'fp16': the built-in engines train fp32 or bf16 (fp16 needs loss scaling)")
+    opt = t.optimizer
+    return TrainSpec(
+        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, precision=t.precision,
+        optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, beta1=opt.beta1,
+                                beta2=opt.beta2, eps=opt.eps, clip_grad=opt.grad_clip),
+        lr_schedule=LRScheduleSpec(kind=t.lr_schedule.decay, warmup_steps=t.lr_schedule.warmup_steps,
+                                   decay_steps=t.lr_schedule.decay_steps or t.train_steps,
+                                   min_lr_ratio=opt.min_lr / opt.lr),
+        seed=t.seed,
+    )
+
+
+def side_layout(job: JobSpec, side: Side) -> ParallelLayout:
+    """The layout a side trains at: the source's, or the target's (which must be set)."""
+    if side == "baseline":
+        return job.source.layout.to_layout()
+    if job.target.layout is None:
+        raise ValueError("target.layout is not set: give it in the job, or run the search stage first")
+    return job.target.layout.to_layout()
+
+
+def default_engine(job: JobSpec, layout: ParallelLayout) -> Engine:
+    """The engine matching the source checkpoint's format, else the layout's optimizer sharding."""
+    ckpt = job.source.checkpoint
+    if ckpt is not None and ckpt.format in _ENGINE_OF_FORMAT:
+        return _ENGINE_OF_FORMAT[ckpt.format]
+    if layout.sharding in (OptimizerSharding.ZERO1, OptimizerSharding.ZERO2, OptimizerSharding.ZERO3):
+        return "deepspeed"
+    if layout.sharding is OptimizerSharding.FSDP:
+        return "fsdp"
+    return "megatron"
+
+
+def run_spec(
+    job: JobSpec, layout: ParallelLayout, *, engine: Engine, steps: int, save_dir: str | None,
+    load_dir: str | None, save_every: int, metrics_path: str | None,
+) -> RunSpec:
+    """The RunSpec that trains ``job``'s model at ``layout`` with ``engine``; checks the pairing."""
+    if engine == "deepspeed" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
+        raise ValueError(f"engine deepspeed runs data parallel only (ZeRO); layout {layout.describe()} needs megatron")
+    if engine == "fsdp" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
+        raise ValueError(f"engine fsdp runs data parallel only here; layout {layout.describe()} needs megatron")
+    return RunSpec(
+        engine=engine, model=model_spec(job), train=train_spec(job), steps=steps,
+        tp=layout.tp, pp=layout.pp, ep=layout.ep, vpp=layout.vpp,
+        zero_stage=layout.zero_stage if engine == "deepspeed" else 0,
+        distributed_optimizer=engine == "megatron" and layout.distributed_optimizer,
+        save_dir=save_dir, load_dir=load_dir, save_every=save_every, metrics_path=metrics_path,
+    )
