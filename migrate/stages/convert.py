@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from pydantic import Field
 
 from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+from migrate.stages._target import target_layout as resolve_target_layout
 
 
 class ConvertOptions(StageOptions):
@@ -57,7 +58,7 @@ def run(ctx: StageContext) -> StageOutcome:
     job = ctx.job.spec
     src = source_checkpoint(ctx.job, ctx.upstream)
     source_layout = job.source.layout.to_layout()
-    target_layout = job.target.layout.to_layout() if job.target.layout is not None else None
+    target_layout = resolve_target_layout(ctx.job, ctx.upstream)[0]
     dp = options.dp or (target_layout.dp if target_layout else None)
     stage = options.zero_stage or (target_layout.zero_stage if target_layout and target_layout.zero_stage else None)
     dest = ctx.work_dir / "checkpoint"
@@ -94,7 +95,7 @@ STAGE = StageDefinition(
     description="rewrite the source checkpoint for the target layout (streamed, atomic) and verify it",
     run=run,
     options=ConvertOptions,
-    after=("train",),
+    after=("train", "search"),
     reads=("source", "target"),
     fingerprint=_fingerprint,
 )

@@ -26,6 +26,8 @@ class SearchOptions(StageOptions):
     sequence_parallel: Literal["auto", "both", "off"] = "auto"
     vpp: tuple[int, ...] = (1, 2)
     context_parallel: tuple[int, ...] = (1,)
+    shardings: tuple[Literal["none", "zero1", "zero2", "zero3", "distributed_optimizer", "fsdp"], ...] | None = Field(
+        default=None, description="optimizer shardings to consider; default: all the framework has")
     max_trials: int | None = Field(default=None, ge=1, description="distinct candidates profiled at most")
     max_fraction: float = Field(default=0.25, gt=0, le=1)
     max_seconds: float | None = Field(default=None, gt=0)
@@ -63,5 +65,6 @@ STAGE = StageDefinition(
     description="choose the target's TP/PP/EP/DP plan from measured steps; emit runnable configs",
     run=run,
     options=SearchOptions,
+    after=("preflight",),
     reads=("target", "model", "training"),
 )

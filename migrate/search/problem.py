@@ -1,0 +1,63 @@
+"""A job's model, recipe and target mapped onto the search library's and the workloads' values."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from migrate.job.load import Job
+from migrate.workload.model_spec import LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
+from parallel_search.profiles import DeviceProfile, load_profile
+from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+
+
+def model_shape(job: Job) -> ModelShape:
+    m = job.spec.model
+    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+                      num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
+                      vocab_size=m.vocab_size, seq_length=m.seq_length, gated_ffn=m.architecture != "gpt",
+                      tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
+                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+
+
+def training_shape(job: Job) -> TrainingShape:
+    t = job.spec.training
+    return TrainingShape(global_batch_size=t.global_batch_size, precision=t.precision)
+
+
+def cluster_shape(job: Job, device: DeviceProfile) -> ClusterShape:
+    """Devices per node: the job's, else the profile's (all local ranks share one node on a CPU)."""
+    target = job.spec.target
+    per_node = target.devices_per_node or (target.device_count if target.device_type == "cpu"
+                                           else min(device.devices_per_node, target.device_count))
+    return ClusterShape(device_count=target.device_count, devices_per_node=per_node)
+
+
+def device_profile(job: Job, override: str | None = None) -> DeviceProfile:
+    """The profile named by ``override``, else ``target.device_profile`` (a shipped name or a path
+    relative to the job file), else the shipped profile of the target's device type."""
+    name = override or job.spec.target.device_profile
+    if name is None:
+        name = {"cpu": "cpu", "cuda": "h100", "npu": "ascend-910b"}.get(job.spec.target.device_type, "cpu")
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+        return load_profile(path if path.is_absolute() else job.resolve(name))
+    return load_profile(name)
+
+
+def workload_specs(job: Job, dataset_size: int = 4096) -> tuple[ModelSpec, TrainSpec]:
+    """The built-in workload's model and recipe for the job (fp16 runs as bf16: the engines have no fp16)."""
+    m, t = job.spec.model, job.spec.training
+    model = ModelSpec(architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
+                      ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
+                      num_query_groups=m.query_groups, vocab_size=m.vocab_size, seq_length=m.seq_length,
+                      tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
+                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, rotary_base=m.rotary_base,
+                      norm_eps=m.norm_eps)
+    opt = t.optimizer
+    train = TrainSpec(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                      precision="fp32" if t.precision == "fp32" else "bf16",
+                      optimizer=OptimizerSpec(name=opt.name, lr=opt.lr, weight_decay=opt.weight_decay, beta1=opt.beta1,
+                                              beta2=opt.beta2, eps=opt.eps, clip_grad=opt.grad_clip),
+                      lr_schedule=LRScheduleSpec(kind=t.lr_schedule.decay, warmup_steps=t.lr_schedule.warmup_steps,
+                                                 decay_steps=t.lr_schedule.decay_steps or t.train_steps),
+                      seed=t.seed, dataset_size=max(dataset_size, t.global_batch_size))
+    return model, train
