@@ -5,16 +5,22 @@ Call sequence (coordinator = the caller of `execute`):
 2. workers (inline, a local process pool, or any `map_fn` such as Ray tasks): for each target file
    allocate its buffers, fill them from memory-mapped source files, let the writer assemble the
    file's object, save it to a temporary name, fsync, rename; return its sha256;
-3. coordinator: write `manifest.json` (files, sizes, sha256) last, fsynced: the commit point.
+3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
+   DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
+   (files, sizes, sha256) last, fsynced: the commit point.
 On any error the coordinator removes what it wrote, so nothing that looks complete is left; the
 source is only ever opened read-only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import io
 import json
+import mmap
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -36,10 +42,31 @@ MANIFEST_VERSION = 1
 
 
 class Writer(Protocol):
-    """Turns a target file's filled buffers into the object (or bytes) the target framework stores."""
+    """Turns a target file's filled buffers into the object (or bytes) the target framework stores.
+
+    `assemble` returns bytes/str, a `StreamPayload`, or a torch-saveable object. A writer may also
+    define `finalize(records, meta) -> {relative path: bytes}`: files the coordinator writes after all
+    workers returned (it sees each record's `extra`, what a StreamPayload's `write` returned).
+    A writer with `in_place = True` promises that `assemble` returns a torch-saveable object holding
+    every buffer unchanged at its key path: the executor then saves the object without tensor data
+    and streams each copy item into the file (`_write_in_place`), so memory stays bounded by the
+    largest tensor, not by the file.
+    """
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamPayload:
+    """A payload written piece by piece into the open temp file; `write` returns writer-defined extra data."""
+
+    write: Callable[[BinaryIO], Any]
+
+
+# Key paths that address stored tensors outside a torch.save'd object (see `_Sources.tensor`):
+BYTE_RANGE = "@range"  # (BYTE_RANGE, offset, length): one torch.save'd tensor at that byte range (DCP)
+SAFETENSORS = "@safetensors"  # (SAFETENSORS, name): tensor `name` of a .safetensors file
 
 
 MapFn = Callable[[Callable[..., Any], Sequence[tuple[Any, ...]]], list[Any]]
@@ -50,6 +77,7 @@ class FileRecord:
     path: str
     nbytes: int
     sha256: str
+    extra: Any = None  # what the file's StreamPayload returned (for Writer.finalize)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,13 +102,92 @@ def resolve_key(obj: Any, key: KeyPath, *, file: str) -> Any:
     return cur
 
 
-class _Sources:
-    """Source files opened lazily with mmap (data stays on disk until a region is copied)."""
+class _FileView(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of an open file (for torch.load)."""
 
-    def __init__(self, root: Path, trust_checkpoint: bool) -> None:
+    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: pos, io.SEEK_CUR: self.pos + pos, io.SEEK_END: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got or 0
+        return got or 0
+
+
+def load_range(path: Path, offset: int, length: int) -> Any:
+    """torch.load(weights_only=True) of the object saved at bytes [offset, offset + length) of `path`."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:
+            raise CheckpointFormatError(f"{path}: needs bytes [{offset}, {offset + length}) but the file has {size} "
+                                        f"(truncated?)")
+        try:
+            return torch.load(io.BufferedReader(_FileView(f, offset, length)), map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+            raise CheckpointFormatError(f"{path}: bytes [{offset}, {offset + length}) unreadable: {err}") from err
+
+
+class _Sources:
+    """Source files opened lazily with mmap (data stays on disk until a region is copied).
+
+    Byte-range keys load one stored tensor, kept in a small cache (at most `cache_bytes`, least
+    recently used evicted) since several copy items often read the same stored tensor; safetensors
+    keys open the file with `safe_open` (mmap).
+    """
+
+    def __init__(self, root: Path, trust_checkpoint: bool, cache_bytes: int = 256 << 20) -> None:
         self.root, self.trust, self.cache = root, trust_checkpoint, {}
+        self.ranges: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.cache_bytes = cache_bytes
+
+    @staticmethod
+    def mapped(key: KeyPath) -> bool:
+        """Whether `tensor(file, key)` is a view of a memory-mapped torch file (pages can be released)."""
+        return not (key and key[0] in (BYTE_RANGE, SAFETENSORS))
+
+    def _range(self, file: str, offset: int, length: int) -> torch.Tensor:
+        k = (file, offset, length)
+        if k in self.ranges:
+            self.ranges[k] = self.ranges.pop(k)  # most recently used last
+            return self.ranges[k]
+        t = load_range(self.root / file, offset, length)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointFormatError(f"{self.root / file}: bytes [{offset}, {offset + length}) hold "
+                                        f"{type(t).__name__}, not a tensor")
+        self.ranges[k] = t
+        while len(self.ranges) > 1 and sum(v.untyped_storage().nbytes() for v in self.ranges.values()) > \
+                self.cache_bytes:
+            self.ranges.pop(next(iter(self.ranges)))
+        return t
 
     def tensor(self, file: str, key: KeyPath) -> torch.Tensor:
+        if key and key[0] == BYTE_RANGE:
+            return self._range(file, int(key[1]), int(key[2]))
+        if key and key[0] == SAFETENSORS:
+            from safetensors import safe_open
+
+            if file not in self.cache:
+                self.cache[file] = safe_open(str(self.root / file), framework="pt", device="cpu")
+            try:
+                return self.cache[file].get_tensor(str(key[1]))
+            except Exception as err:  # safetensors raises its own SafetensorError
+                raise CheckpointFormatError(f"{self.root / file}: tensor {key[1]!r} unreadable: {err}") from err
         if file not in self.cache:
             self.cache[file] = safe_load.load(self.root / file, mmap=True, trust_checkpoint=self.trust)
         t = resolve_key(self.cache[file], key, file=str(self.root / file))
@@ -134,8 +241,11 @@ def write_atomic(path: Path, payload: Any) -> FileRecord:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
+            extra = None
             if isinstance(payload, (bytes, str)):
                 f.write(payload.encode() if isinstance(payload, str) else payload)
+            elif isinstance(payload, StreamPayload):
+                extra = payload.write(f)
             else:
                 torch.save(payload, f)
             f.flush()
@@ -145,7 +255,7 @@ def write_atomic(path: Path, payload: Any) -> FileRecord:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
-    return FileRecord(path=str(path), nbytes=path.stat().st_size, sha256=_sha256(path))
+    return FileRecord(path=str(path), nbytes=path.stat().st_size, sha256=_sha256(path), extra=extra)
 
 
 def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str,
@@ -154,6 +264,8 @@ def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: 
 
     Peak memory: this file's buffers plus the pages of the source regions being copied.
     """
+    if getattr(writer, "in_place", False) and file.buffers:
+        return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint)
     sources = _Sources(Path(source_root), trust_checkpoint)
     buffers = {b.key: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}
     for it in items:
@@ -164,7 +276,94 @@ def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: 
     payload = writer.assemble(file, buffers, meta)
     del sources
     rec = write_atomic(Path(dest_root) / file.path, payload)
-    return FileRecord(path=file.path, nbytes=rec.nbytes, sha256=rec.sha256)
+    return FileRecord(path=file.path, nbytes=rec.nbytes, sha256=rec.sha256, extra=rec.extra)
+
+
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def release_pages(t: torch.Tensor, start: int, numel: int) -> None:
+    """Drop elements [start, start + numel) of a tensor backed by a file mapping from this process's
+    resident set (madvise MADV_DONTNEED on the pages covering them).
+
+    Only for tensors that view a file mapping (torch.load(mmap=True)): a private read-only mapping
+    re-reads the file on the next access, a shared one keeps its written data in the page cache.
+    On anonymous memory this would discard data, hence `_Sources.mapped` and `_write_in_place`.
+    """
+    if numel <= 0:
+        return
+    size = t.element_size()
+    lo = t.data_ptr() + start * size
+    hi = lo + numel * size
+    lo, hi = lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
+    if _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise CheckpointError(f"madvise(MADV_DONTNEED) of {hi - lo} bytes failed: {os.strerror(err)}")
+
+
+def _dst_span(item: CopyItem) -> tuple[int, int]:
+    return (item.flat[1], item.flat[2]) if item.flat is not None else (item.dst.storage_offset, item.dst.numel)
+
+
+def _src_span(item: CopyItem) -> tuple[int, int]:
+    return (item.flat[0], item.flat[2]) if item.flat is not None else (item.src.storage_offset, item.src.numel)
+
+
+def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
+                    meta: Mapping[str, Any], trust_checkpoint: bool) -> FileRecord:
+    """Worker step for `in_place` writers: save the file's object without tensor data (the data regions
+    stay holes, i.e. zeros), map the saved file shared, copy each item straight into it and release
+    the pages of both sides after each item, then fsync and rename.
+
+    Peak memory: one copy item's source region and target pages (at most one tensor), never the file.
+    """
+    placeholders = {b.key: torch.empty(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}  # untouched
+    payload = writer.assemble(file, placeholders, meta)
+    if isinstance(payload, (bytes, str, StreamPayload)):
+        raise CheckpointError(f"{file.path}: an in_place writer returned {type(payload).__name__} for a file with "
+                              f"buffers; it must return the torch-saveable object holding them")
+    path = Path(dest_root) / file.path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    src_root = Path(source_root)
+    try:
+        with open(tmp, "wb") as f, torch.serialization.skip_data():
+            torch.save(payload, f)
+        del payload, placeholders
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            skeleton = safe_load.load(tmp, mmap=True, trust_checkpoint=trust_checkpoint)
+        targets = {}
+        for b in file.buffers:
+            t = resolve_key(skeleton, b.key, file=file.path)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != b.shape or t.dtype != getattr(torch, b.dtype):
+                raise CheckpointError(f"{file.path}: in_place writer put {type(t).__name__} "
+                                      f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', '')} at "
+                                      f"{list(b.key)}, where the buffer is {b.shape} {b.dtype}")
+            targets[b.key] = t
+        sources = _Sources(src_root, trust_checkpoint)
+        for it in sorted(items, key=lambda i: (str(i.dst.key), _dst_span(i)[0])):
+            if it.dst.key not in targets:
+                raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of "
+                                      f"that file")
+            src, dst = sources.tensor(it.src.file, it.src.key), targets[it.dst.key]
+            copy_item(it, src, dst, src_where=str(src_root / it.src.file))
+            release_pages(dst, *_dst_span(it))
+            if sources.mapped(it.src.key):
+                release_pages(src, *_src_span(it))
+        del sources, targets, skeleton
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return FileRecord(path=file.path, nbytes=path.stat().st_size, sha256=_sha256(path))
 
 
 def local_map(workers: int) -> MapFn:
@@ -201,7 +400,13 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
     jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, meta, trust_checkpoint)
             for f in plan.target.files]
     try:
-        records = (map_fn or local_map(1))(write_target_file, jobs)
+        records = list((map_fn or local_map(1))(write_target_file, jobs))
+        finalize = getattr(writer, "finalize", None)
+        if finalize is not None:
+            for rel, payload in finalize(records, meta).items():
+                rec = write_atomic(dest / rel, payload)
+                records.append(FileRecord(path=rel, nbytes=rec.nbytes, sha256=rec.sha256))
+        records = [FileRecord(path=r.path, nbytes=r.nbytes, sha256=r.sha256) for r in records]
         manifest = {
             "version": MANIFEST_VERSION,
             "format": plan.target.index.format,

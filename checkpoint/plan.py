@@ -87,13 +87,26 @@ class ConversionPlan:
         return dict(out)
 
 
-def _source_for(key: TensorKey, source: Mapping[TensorKey, TensorEntry]) -> tuple[TensorEntry, bool]:
-    if key in source:
-        return source[key], False
+def source_for(key: TensorKey, dtype: str, source: Mapping[TensorKey, TensorEntry]) -> tuple[TensorEntry, bool]:
+    """The source tensor a target tensor (key, dtype) is copied from, and whether the copy casts.
+
+    A param is taken from the fp32 master when the source param is missing or of another dtype
+    (bf16 training: the target wants fp32 weights); an fp32 master from an fp32 param (formats that
+    keep no separate master, e.g. DCP/FSDP2 in fp32).
+    """
+    own = source.get(key)
+    if own is not None and (own.dtype == dtype or key.kind is not Kind.PARAM):
+        return own, False
     if key.kind is Kind.PARAM:
-        master = TensorKey(name=key.name, kind=Kind.MASTER)
-        if master in source:
-            return source[master], True
+        master = source.get(TensorKey(name=key.name, kind=Kind.MASTER))
+        if master is not None:
+            return master, True
+    if key.kind is Kind.MASTER:
+        param = source.get(TensorKey(name=key.name, kind=Kind.PARAM))
+        if param is not None and param.dtype == "float32":
+            return param, False
+    if own is not None:
+        return own, False
     present = sorted(str(k.kind) for k in source if k.name == key.name)
     raise PlanError(f"target needs tensor {key} but the source has no such tensor "
                     f"(kinds present for {key.name!r}: {present or 'none'})")
@@ -127,7 +140,7 @@ def make_plan(source: CheckpointIndex, target: TargetSpec) -> ConversionPlan:
     items: list[CopyItem] = []
     src_dtypes: dict[TensorKey, str] = {}
     for entry in target.index.entries:
-        src_entry, cast = _source_for(entry.key, src_entries)
+        src_entry, cast = source_for(entry.key, entry.dtype, src_entries)
         if src_entry.shape != entry.shape:
             raise PlanError(f"{entry.key}: source shape {src_entry.shape} != target shape {entry.shape}")
         if src_entry.dtype != entry.dtype and not cast:
@@ -184,6 +197,10 @@ def summarize(plan: ConversionPlan) -> str:
     dropped = sorted({str(e.key.kind) for e in plan.source.entries} - {str(e.key.kind) for e in plan.target.index.entries})
     if dropped:
         lines.append(f"  source kinds not in the target format: {', '.join(dropped)}")
+    if not plan.target.index.meta.get("weights_only") and not any(
+            e.key.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ) for e in plan.source.entries):
+        lines.append("  optimizer state: ABSENT in the source (weights only): the target holds no Adam moments "
+                     "or step; training resumes with a fresh optimizer")
     derived = sorted({it.tensor.name for it in plan.items if it.cast})
     if derived:
         lines.append(f"  {len(derived)} params derived from the fp32 master (cast)")

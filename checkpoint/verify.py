@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 
 from checkpoint.execute import _Sources, verify_manifest
-from checkpoint.index import CheckpointIndex, Kind, TensorKey
+from checkpoint.errors import PlanError
+from checkpoint.index import CheckpointIndex
 from checkpoint.materialize import read_tensor
+from checkpoint.plan import source_for
 
 
 def compare_indexes(source: CheckpointIndex, target: CheckpointIndex) -> list[str]:
@@ -20,8 +22,9 @@ def compare_indexes(source: CheckpointIndex, target: CheckpointIndex) -> list[st
     src_entries = source.by_key()
     src_files, dst_files = _Sources(Path(source.root), False), _Sources(Path(target.root), False)
     for entry in target.entries:
-        src_entry = src_entries.get(entry.key) or src_entries.get(TensorKey(name=entry.key.name, kind=Kind.MASTER))
-        if src_entry is None or entry.key.kind is Kind.STEP and entry.key not in src_entries:
+        try:
+            src_entry, _ = source_for(entry.key, entry.dtype, src_entries)
+        except PlanError:
             problems.append(f"{entry.key}: not in the source")
             continue
         want = read_tensor(source, src_entry, src_files).to(getattr(torch, entry.dtype))

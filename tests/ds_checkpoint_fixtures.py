@@ -65,8 +65,9 @@ class TinyNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 17), tokens[:, 1:].reshape(-1))
 
 
-def ds_config(stage: int, dtype: str) -> dict[str, Any]:
-    """The DeepSpeed config both the source run and the verifying load use."""
+def ds_config(stage: int, dtype: str, universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config both the source run and the verifying load use (`universal`: load a
+    universal checkpoint)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -75,6 +76,8 @@ def ds_config(stage: int, dtype: str) -> dict[str, Any]:
         "steps_per_print": 1000000,
         "wall_clock_breakdown": False,
     }
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -91,14 +94,14 @@ def _probe_batch() -> torch.Tensor:
     return torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(PROBE_SEED))
 
 
-def _engine(stage: int, dtype: str, optimizer: str, seed: int):
+def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool = False):
     import deepspeed
 
     torch.manual_seed(seed)
     model = TinyNet()
     opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = opt_cls(model.parameters(), lr=0.01, weight_decay=0.01 if optimizer == "adamw" else 0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, universal))
     return engine
 
 
@@ -153,11 +156,11 @@ def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: str, stage: int, dtype: str,
-               optimizer: str, result_dir: str) -> None:
+               optimizer: str, result_dir: str, universal: bool = False) -> None:
     try:
         _init_process(rank, world_size, init_file)
-        engine = _engine(stage, dtype, optimizer, seed=99)  # different init: the load must overwrite it all
-        _, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal)  # the load must overwrite it all
+        _, client = engine.load_checkpoint(ckpt_dir, tag=None if universal else tag)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {ckpt_dir} tag {tag}")
         state = _full_state(engine)
@@ -245,12 +248,14 @@ class LoadedState:
 
 
 def load_and_probe(ckpt_dir: Path, *, world_size: int, stage: int, dtype: str, optimizer: str = "adam",
-                   tag: str = "global_step3", work: Path) -> LoadedState:
-    """Load `ckpt_dir` with DeepSpeed at (world_size, stage), gather its state, train one step."""
+                   tag: str = "global_step3", work: Path, universal: bool = False) -> LoadedState:
+    """Load `ckpt_dir` with DeepSpeed at (world_size, stage), gather its state, train one step.
+
+    `universal`: load with `"checkpoint": {"load_universal": true}` (the tag from `latest_universal`)."""
     result_dir = Path(work)
     result_dir.mkdir(parents=True, exist_ok=True)
     notes = _launch(_load_rank, world_size,
-                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir)), result_dir)
+                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir), universal), result_dir)
     blob = torch.load(Path(result_dir, "rank0.pt"), weights_only=True)
     return LoadedState(params=blob["state"], meta=blob["meta"], probe_loss=blob["probe_loss"],
                        probe_after_step=blob["probe_after_step"], launch_notes=tuple(notes))

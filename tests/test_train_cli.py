@@ -21,6 +21,7 @@ def test_baseline_then_resume_continues_the_loss_bit_identically(tmp_path, workl
     data["work_dir"] = str(tmp_path / "work")
     data["source"]["layout"] = {"tp": 1, "pp": 1, "dp": 2, "sharding": "zero1"}
     data["source"]["cluster"]["device_count"] = 2
+    data["target"]["layout"] = {"tp": 1, "pp": 1, "dp": 2, "sharding": "zero1"}
     data["stages"] = {"train": {"side": "baseline", "steps": 4, "save_every": 2}}
     data["tracking"] = {"tensorboard": False, "wandb": {"enabled": False}}
     job = tmp_path / "job.yaml"

@@ -1,1 +1,20 @@
-"""Readers and writers of the checkpoint formats the converter supports."""
+"""Readers and writers of the checkpoint formats the converter supports: the format table.
+
+`FORMATS` lists one `CheckpointFormat` per format module, in detection order (the first whose
+`detect` accepts a path wins, so more specific formats come first). Adding a format is one line here.
+"""
+
+from __future__ import annotations
+
+from checkpoint.formats import dcp, deepspeed, hf, megatron, universal
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+
+FORMATS: tuple[CheckpointFormat, ...] = (
+    universal.SPEC,  # before deepspeed: a universal tag directory also holds *model_states.pt
+    deepspeed.SPEC,
+    megatron.SPEC,  # before dcp: a torch_dist checkpoint is also a DCP directory
+    dcp.SPEC,
+    hf.SPEC,
+)
+
+__all__ = ["FORMATS", "CheckpointFormat", "ReadOptions", "TargetOptions"]

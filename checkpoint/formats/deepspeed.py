@@ -17,6 +17,7 @@ must it go), so both describe a layout the same way.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from collections import OrderedDict
@@ -29,15 +30,25 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.state.rng import roles
+from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
 
 FORMAT = "deepspeed"
+DS_META_FORMATS = (FORMAT, "deepspeed_universal")  # indexes whose meta is DeepSpeed's own (see universal.py)
 OSD = "optimizer_state_dict"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _STANDARD_MODEL_KEYS = ("module", "param_shapes")
+# what DeepSpeed's engine itself puts in model_states (everything else is the caller's client state)
+_ENGINE_MODEL_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,6 +255,14 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         "optimizer_flags": {k: osd0[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in osd0},
         "ds_version": str(optim[0].get("ds_version", model_sd.get("ds_version", ""))),
         "global_steps": model_sd.get("global_steps"),
+        "train_state": {
+            "step": model_sd.get("global_steps"),
+            "lr_scheduler": model_sd.get("lr_scheduler"),
+            "client": {k: v for k, v in model_sd.items() if k not in _ENGINE_MODEL_KEYS},
+            "param_names": [p.name for g in groups for p in g],
+            "optimizer_param_groups": hparams,
+            "optimizer_group_params": [[p.name for p in g] for g in groups],
+        },
     }
     model_files = [f"{tag}/{n}" for n in z3_models] if stage3 else [model_rel]
     files = (*model_files, *(f"{tag}/{optim_names[r]}" for r in range(dp)))
@@ -373,11 +392,19 @@ def _z3_entries(groups, dp, tag, bf16, optim, root, sub_group_size) -> list[Tens
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepSpeedWriter:
-    """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written)."""
+    """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written).
+
+    `in_place`: every buffer sits unchanged at its key path in the assembled object, so the executor
+    streams it into the saved file piece by piece (peak memory bounded by the largest tensor).
+    """
+
+    in_place: bool = True
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "latest":
             return meta["tag"]
+        if file.role == "state_report":
+            return json.dumps(meta["state_report"], indent=1)
         if file.role == "model_states":
             return _model_states(file, buffers, meta)
         if file.role == "optim_states":
@@ -393,7 +420,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     """
     if dp < 1 or zero_stage not in (1, 2, 3):
         raise PlanError(f"DeepSpeed target needs dp >= 1 and zero_stage in 1..3, got dp={dp} zero_stage={zero_stage}")
-    m = source.meta
+    m = source.meta if source.format in DS_META_FORMATS else deepspeed_meta_from(source)
     for k in ("param_groups", "tag", "dtype", "model_state", "param_group_hparams"):
         if k not in m:
             raise PlanError(f"source {source.root} ({source.format}) lacks DeepSpeed metadata {k!r}")
@@ -454,9 +481,13 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
         flat_groups.append({"param_group": pg, "params": [p.name for p in params], "master_numels": master_numels,
                             "partition_size": padded,
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
-    meta = {**m, "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
+    model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
+    meta = {**m, "model_state": model_state, "state_report": state_report,
+            "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
             "has_step": has_step}
     files = [TargetFile(path="latest", role="latest", rank=None)]
+    if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
+        files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
     files += [TargetFile(path=mf, role="model_states", rank=(r if zero_stage == 3 else None),
                          buffers=tuple(buffers.get(mf, ()))) for r, mf in enumerate(model_files)]
     files += [TargetFile(path=optim_file(tag, r, bf16), role="optim_states", rank=r,
@@ -464,6 +495,52 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files))
+
+
+def _training_state(m: Mapping[str, Any], *, dp: int, zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source's client state and counters for dp target ranks (RNG per rank, data position), and
+    the report of the policy applied to each state (`checkpoint.state.training_state`)."""
+    target_roles = roles(dp=dp)
+    model_state, report = convert_model_state(m["model_state"], target_roles)
+    return model_state, report_dict(report, source=f"deepspeed dp={m.get('dp')} ZeRO-{m.get('stage')}",
+                                    target=f"deepspeed dp={dp} ZeRO-{zero_stage}")
+
+
+def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
+    """DeepSpeed metadata for a source of another format, from its canonical `train_state`.
+
+    Params keep the source's order and its param groups; the model dtype is the source params'
+    (fp32 masters become the fp32 module). The client state (e.g. the job's sampler) is carried.
+    """
+    ts = source.meta.get("train_state")
+    if ts is None:
+        raise PlanError(f"source {source.root} ({source.format}) carries no train_state (step, scheduler, "
+                        f"param groups): cannot describe it as a DeepSpeed checkpoint")
+    src = source.by_key()
+    shapes = {e.key.name: e.shape for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)}
+    owners = ts.get("optimizer_group_params") or [ts.get("param_names") or list(shapes)]
+    if sorted(n for g in owners for n in g) != sorted(shapes):
+        owners = [list(shapes)]
+    groups = [[(n, list(shapes[n])) for n in g] for g in owners]
+    param = next((src[TensorKey(name=n, kind=Kind.PARAM)] for n in shapes if TensorKey(name=n, kind=Kind.PARAM) in src),
+                 None)
+    dtype = param.dtype if param is not None else "float32"
+    step = ts.get("step")
+    hparams = [dict(g) for g in ts.get("optimizer_param_groups") or [{}]][:len(groups)]
+    hparams += [dict(hparams[-1]) for _ in range(len(groups) - len(hparams))]
+    import deepspeed
+
+    model_state = {"buffer_names": [], "optimizer": None, "frozen_param_shapes": None, "shared_params": {},
+                   "frozen_param_fragments": None, "lr_scheduler": ts.get("lr_scheduler"), "data_sampler": None,
+                   "random_ltd": None, "skipped_steps": 0, "global_steps": int(step or 0), "global_samples": 0,
+                   "dp_world_size": int(source.meta.get("dp", 1)), "mp_world_size": 1,
+                   "ds_config": {"bf16": {"enabled": dtype == "bfloat16"}}, "ds_version": deepspeed.__version__,
+                   **dict(ts.get("client") or {})}
+    return {"tag": f"global_step{int(step or 0)}", "dtype": dtype, "bf16_files": dtype == "bfloat16",
+            "param_groups": groups, "module_keys": [n for g in groups for n, _ in g], "buffer_names": [],
+            "param_group_hparams": hparams, "model_state": model_state, "loss_scaler": None,
+            "optimizer_flags": {}, "ds_version": deepspeed.__version__, "global_steps": step,
+            "train_state": ts}
 
 
 def _ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -556,3 +633,22 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                 "param_slice_mappings": slice_maps}
     return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
 
+
+
+# ---------------------------------------------------------------- registration
+
+def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
+    return read_deepspeed(path, trust_checkpoint=opts.trust_checkpoint, expect_dp=opts.dp,
+                          expect_stage=opts.zero_stage)
+
+
+def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
+    if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
+        raise PlanError(f"DeepSpeed target is written at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
+    dp = opts.dp if opts.dp is not None else int(index.meta.get("dp", 1))
+    stage = opts.zero_stage if opts.zero_stage is not None else int(index.meta.get("stage", 1))
+    return deepspeed_target(index, dp=dp, zero_stage=stage)
+
+
+SPEC = CheckpointFormat(name=FORMAT, description="DeepSpeed ZeRO 1/2/3 (mp_rank_00, any dp)",
+                        detect=is_deepspeed_checkpoint, read=_read, target=_target, writer=DeepSpeedWriter())

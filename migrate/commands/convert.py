@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
 
-from checkpoint.api import FORMATS, convert, read_index
+from checkpoint.api import WRITABLE_FORMATS, convert, read_index
 from checkpoint.errors import CheckpointError
 from checkpoint.execute import local_map
 from checkpoint.plan import summarize
@@ -19,27 +20,38 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 @click.command(name="convert", help="Convert the checkpoint SRC into DST (absent or empty) for a target layout.")
 @click.argument("src", type=click.Path(path_type=Path, exists=True))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", type=click.Choice(FORMATS), required=True, help="target format")
+@click.option("--to", "to", type=click.Choice(WRITABLE_FORMATS), required=True, help="target format")
 @click.option("--dp", type=int, default=None, help="target data-parallel size (default: the source's)")
 @click.option("--zero-stage", type=click.IntRange(1, 3), default=None, help="target ZeRO stage (default: the source's)")
-@click.option("--tp", type=int, default=1, show_default=True, help="target tensor-parallel size")
-@click.option("--pp", type=int, default=1, show_default=True, help="target pipeline-parallel size")
-@click.option("--ep", type=int, default=1, show_default=True, help="target expert-parallel size")
+@click.option("--tp", type=int, default=None, help="target tensor-parallel size (default: the source's)")
+@click.option("--pp", type=int, default=None, help="target pipeline-parallel size (default: the source's)")
+@click.option("--ep", type=int, default=None, help="target expert-parallel size (default: the source's)")
 @click.option("--dry-run", is_flag=True, help="print the plan (files, bytes per target rank) without reading data")
 @click.option("--verify", is_flag=True, help="re-read the output and compare every tensor with the source")
 @click.option("--workers", type=int, default=1, show_default=True, help="local processes writing target files")
+@click.option("--ray-address", default=None,
+              help="write target files as Ray tasks on this cluster ('embedded', 'auto', HOST:PORT); "
+                   "default: --workers local processes")
+@click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the source's)")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
-def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int, pp: int, ep: int,
-            dry_run: bool, verify: bool, workers: int, trust_checkpoint: bool) -> None:
-    if (tp, pp, ep) != (1, 1, 1):
-        click.echo(f"error: format {to!r} is written at tp=1 pp=1 ep=1; got tp={tp} pp={pp} ep={ep}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    try:
-        outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, dry_run=dry_run,
-                          map_fn=local_map(workers), trust_checkpoint=trust_checkpoint)
-    except CheckpointError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
+            ep: int | None,
+            dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
+            trust_checkpoint: bool) -> None:
+    with ExitStack() as stack:
+        map_fn = local_map(workers)
+        if ray_address is not None and not dry_run:
+            from migrate.convert_ray import ray_map
+            from migrate.runtime.ray_cluster import connect
+
+            stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
+            map_fn = ray_map(max_in_flight=max(workers, 1))
+        try:
+            outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, arch=arch,
+                              dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint)
+        except CheckpointError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
     click.echo(summarize(outcome.plan))
     if outcome.result is None:
         return

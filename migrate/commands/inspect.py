@@ -36,7 +36,8 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "global_step": meta.get("global_steps"),
         "optimizer_steps": len(steps) > 0,
         "state": {k: kinds.get(str(k), 0) for k in Kind},
-        "lr_scheduler": (meta.get("model_state") or {}).get("lr_scheduler") is not None,
+        "lr_scheduler": ((meta.get("model_state") or {}).get("lr_scheduler")
+                         or (meta.get("train_state") or {}).get("lr_scheduler")) is not None,
     }
 
 

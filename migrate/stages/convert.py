@@ -3,7 +3,8 @@
 Reads `source.checkpoint` (or, when the job has none and lists the train stage, the
 baseline checkpoint that stage wrote), checked against `source.layout`, writes `<work_dir>/convert/checkpoint`
 in the target format at the target dp size and ZeRO stage (options, else `target.layout`, else the
-source's), with local worker processes, and verifies every tensor against the source. Fails when
+source's), with local worker processes (Ray tasks when the target names a Ray cluster other than
+the embedded one), and verifies every tensor against the source. Fails when
 verification finds a difference.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -64,9 +66,18 @@ def run(ctx: StageContext) -> StageOutcome:
     dest = ctx.work_dir / "checkpoint"
     if dest.exists():  # the stage owns this folder; a re-run rewrites it
         shutil.rmtree(dest)
-    outcome = convert(src, dest, to=options.to_format, dp=dp, zero_stage=stage, map_fn=local_map(options.workers),
-                      trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
-                      expect_stage=source_layout.zero_stage or None)
+    ray_address = job.target.ray.address
+    with ExitStack() as stack:
+        map_fn = local_map(options.workers)
+        if ray_address != "embedded":  # a real cluster: every target file is a Ray task there
+            from migrate.convert_ray import ray_map
+            from migrate.runtime.ray_cluster import connect
+
+            stack.enter_context(connect(ray_address))
+            map_fn = ray_map(max_in_flight=options.workers)
+        outcome = convert(src, dest, to=options.to_format, dp=dp, zero_stage=stage, map_fn=map_fn,
+                          trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
+                          expect_stage=source_layout.zero_stage or None)
     result = outcome.result
     problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
     plan_text = summarize(outcome.plan)

@@ -104,10 +104,10 @@ def _summary(records: list[dict[str, Any]], world: int, label: str, stopped: str
 
 def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> StageOutcome:
     from migrate.workload.engines import rank_entry
-    from migrate.workload.from_job import default_engine, run_spec, side_layout
+    from migrate.workload.from_job import default_engine, run_spec
 
     job = ctx.job.spec
-    layout = side_layout(job, options.side)
+    layout = _layout(ctx, options)
     engine = options.engine or default_engine(job, layout)
     steps = options.steps or job.training.train_steps
     metrics_path = side_dir / "metrics.jsonl"
@@ -145,10 +145,9 @@ def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> St
 def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> StageOutcome:
     from convergence.readers import read_metrics
     from migrate.workload.external import render_command, run_external
-    from migrate.workload.from_job import side_layout
 
     job = ctx.job.spec
-    layout = side_layout(job, options.side)
+    layout = _layout(ctx, options)
     steps = options.steps or job.training.train_steps
     per_node = job.target.devices_per_node or layout.world_size
     values = {
@@ -186,6 +185,17 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
                         outputs={"metrics": str(metrics_path), "logs": str(log_dir), "checkpoint_dir": str(side_dir / "checkpoints")})
 
 
+def _layout(ctx: StageContext, options: TrainOptions) -> Any:
+    """The source layout for the baseline; for the target, the job's layout or the search stage's choice."""
+    if options.side == "baseline":
+        return ctx.job.spec.source.layout.to_layout()
+    from migrate.pipeline.runner import read_artifact
+    from migrate.stages._target import target_layout
+
+    search = ctx.upstream.get("search") or read_artifact(ctx.job, "search")
+    return target_layout(ctx.job, {"search": search} if search is not None else {})[0]
+
+
 def run(ctx: StageContext) -> StageOutcome:
     options: TrainOptions = ctx.options  # type: ignore[assignment]
     side_dir = ctx.work_dir / options.side
@@ -196,12 +206,20 @@ def run(ctx: StageContext) -> StageOutcome:
 
 
 def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
-    """A resumed run depends on the checkpoint it loads: its files' sizes and times."""
+    """A resumed run depends on the checkpoint it loads (its files' sizes and times); a target
+    run without ``target.layout`` on the search stage's result."""
+    found: dict[str, Any] = {}
+    if options.side == "target" and job.spec.target.layout is None:
+        from migrate.pipeline.runner import read_artifact
+
+        search = read_artifact(job, "search")
+        found["search"] = search.result_digest if search is not None else None
     if not options.load:
-        return {}
+        return found
     root = job.resolve(options.load)
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root] if root.exists() else []
-    return {"load": {str(p.relative_to(root) if root.is_dir() else p.name): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
+    found["load"] = {str(p.relative_to(root) if root.is_dir() else p.name): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    return found
 
 
 STAGE = StageDefinition(

@@ -22,8 +22,7 @@ from migrate.workload.data import SamplerState, TokenDataset, global_batch_indic
 from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.torch_model import build_decoder
-
-CLIENT_STATE_KEY = "migrate"
+from migrate.workload.train_state import CLIENT_STATE_KEY, StepTrace, gather_state, restore_state, seed_rng
 
 
 def deepspeed_config(spec: RunSpec, dp: int) -> dict[str, Any]:
@@ -83,8 +82,11 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+    from checkpoint.state.rng import roles
+
     dp, rank = ctx.world_size, ctx.rank
     train, model_spec = spec.train, spec.model
+    role = roles(dp=dp)[rank]
     model = build_decoder(model_spec, train.seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=deepspeed_config(spec, dp),
@@ -92,15 +94,16 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     )
     sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size, global_batch_size=train.global_batch_size)
     start_step = 0
+    seed_rng(train.seed, role)
+    rng_note = "seeded"
     if spec.load_dir:
         load_dir, tag = deepspeed_load_target(spec.load_dir)
         path, client = engine.load_checkpoint(load_dir, tag=tag)
         if path is None or not client or CLIENT_STATE_KEY not in client:
             raise FileNotFoundError(f"no DeepSpeed checkpoint with migrate client state under {spec.load_dir} "
                                     f"(loaded path={path}, client keys={sorted(client or {})})")
-        state = client[CLIENT_STATE_KEY]
-        sampler = SamplerState.from_state_dict(state["sampler"])
-        start_step = int(state["step"])
+        sampler, start_step, rng_note = restore_state(client[CLIENT_STATE_KEY], rank=rank, role=role,
+                                                      global_batch_size=train.global_batch_size, where=str(path))
         if engine.global_steps != start_step:
             raise RuntimeError(f"{path}: engine.global_steps({engine.global_steps}) != client step({start_step})")
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
@@ -110,11 +113,14 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
+    trace = StepTrace()
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
             lr = float(engine.get_lr()[0])
-            micro = rank_micro_batches(global_batch_indices(sampler), rank, dp, train.micro_batch_size)
+            global_indices = global_batch_indices(sampler)
+            trace.record(global_indices)
+            micro = rank_micro_batches(global_indices, rank, dp, train.micro_batch_size)
             total = torch.zeros((), dtype=torch.float64)
             for indices in micro:
                 tokens, labels = dataset.batch(indices)
@@ -134,8 +140,9 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
             message = log.write(record)
             if should_save(spec, step + 1):
                 tag = f"global_step{step + 1}"
-                engine.save_checkpoint(spec.save_dir, tag=tag, client_state={
-                    CLIENT_STATE_KEY: {"sampler": sampler.state_dict(), "step": step + 1}})
+                state = gather_state(step=step + 1, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=dp,
+                                     role=role, consumed_tokens=sampler.consumed_samples * model_spec.seq_length)
+                engine.save_checkpoint(spec.save_dir, tag=tag, client_state={CLIENT_STATE_KEY: state})
                 checkpoints.append(os.path.join(spec.save_dir, tag))
             if message and spec.stop_on_nonfinite:
                 stopped = message
@@ -143,4 +150,4 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     finally:
         log.close()
     return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped)
+                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra(rng_restore=rng_note))

@@ -19,6 +19,7 @@ from migrate.workload.data import SamplerState, TokenDataset, global_batch_indic
 from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.torch_model import build_decoder
+from migrate.workload.train_state import StepTrace
 
 
 def step_dir(save_dir: str, step: int) -> str:
@@ -74,11 +75,14 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
+    trace = StepTrace()
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            micro = rank_micro_batches(global_batch_indices(sampler), rank, dp, train.micro_batch_size)
+            global_indices = global_batch_indices(sampler)
+            trace.record(global_indices)
+            micro = rank_micro_batches(global_indices, rank, dp, train.micro_batch_size)
             total = torch.zeros((), dtype=torch.float64)
             for indices in micro:
                 tokens, labels = dataset.batch(indices)
@@ -108,4 +112,4 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     finally:
         log.close()
     return RankResult(rank=rank, engine="fsdp", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped)
+                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra())

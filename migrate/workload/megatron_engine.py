@@ -16,6 +16,7 @@ fails on save), `iteration`, `checkpoint_version` and `migrate` (sampler state, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from functools import partial
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
 from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
+from migrate.workload.train_state import StepTrace
 
 OPTIMIZER_SHARDING_TYPE = "dp_reshardable"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -116,21 +118,26 @@ def _micro_batches(dataset: TokenDataset, indices: list) -> list[dict]:
     return out
 
 
-def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, loading: bool) -> dict:
-    """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, ours."""
-    state: dict[str, Any] = {"iteration": step, "checkpoint_version": 3.0,
-                             "migrate": {"sampler": sampler.state_dict(), "step": step}}
+def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, loading: bool,
+                model: ModelSpec | None = None, sharding_type: str = OPTIMIZER_SHARDING_TYPE) -> dict:
+    """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, ours (sampler,
+    step and the model spec, so converters know the architecture from the checkpoint alone)."""
+    ours: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step}
+    if model is not None:
+        ours["model"] = dataclasses.asdict(model)
+    state: dict[str, Any] = {"iteration": step, "checkpoint_version": 3.0, "migrate": ours}
     if len(chunks) == 1:
         state["model"] = chunks[0].module.sharded_state_dict()
     else:
         for i, chunk in enumerate(chunks):
             state[f"model{i}"] = chunk.module.sharded_state_dict()
     state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING_TYPE})
+        state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding_type})
     return state
 
 
-def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str) -> str:
+def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str,
+                    model: ModelSpec | None = None) -> str:
     """Write `iter_<step>` with dist_checkpointing (torch_dist) and update the tracker file."""
     from megatron.core import dist_checkpointing
 
@@ -138,7 +145,7 @@ def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerSta
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False), path)
+    dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False, model=model), path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, TRACKER_FILE), "w", encoding="utf-8") as f:
@@ -189,8 +196,41 @@ def _restore_adam_steps(optimizer: Any, step: int) -> None:
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in sub.optimizer.state.values():
-            if "step" in state:
+            if "step" in state or "exp_avg" in state:
                 state["step"] = torch.tensor(float(step))
+
+
+def _keep_step_on_fully_reshardable_load(optimizer: Any) -> None:
+    """Let 0.16.1 load 'fully_reshardable' optimizer state without Apex/TE.
+
+    Its load_state_dict puts `step` (from param_groups) into every inner Adam state, then copies
+    every inner state key from the loaded parameter state, which never holds `step` in this form
+    (KeyError 'step'). Per optimizer instance, a missing `step` keeps the value just set.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = sub._set_main_param_and_optimizer_states
+
+        def set_states(model_param: Any, tensors: dict, _sub: Any = sub, _original: Any = original) -> None:
+            if "step" not in tensors:
+                group_index, group_order = _sub.model_param_group_index_map[model_param]
+                main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
+                step = _sub.optimizer.state[main_param].get("step")
+                if step is not None:
+                    tensors = {**tensors, "step": step.clone()}
+            _original(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = set_states
+
+
+def saved_sharding_type(path: str) -> str:
+    """The DistributedOptimizer sharding type a checkpoint was written in (converters write
+    'fully_reshardable', which loads at any layout); OPTIMIZER_SHARDING_TYPE when it names none."""
+    from megatron.core import dist_checkpointing
+
+    optim = dist_checkpointing.load_common_state_dict(path).get("optimizer", {})
+    first = optim.get(0, optim) if isinstance(optim, dict) else {}
+    return first.get("param_state_sharding_type", OPTIMIZER_SHARDING_TYPE) if isinstance(first, dict) \
+        else OPTIMIZER_SHARDING_TYPE
 
 
 def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_dir: str) -> tuple[int, SamplerState]:
@@ -199,7 +239,8 @@ def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_di
 
     path = resolve_load_dir(load_dir)
     _prime_adam_state(optimizer)
-    template = _state_dict(chunks, optimizer, 0, sampler, loading=True)
+    sharding_type = saved_sharding_type(path)
+    template = _state_dict(chunks, optimizer, 0, sampler, loading=True, sharding_type=sharding_type)
     loaded = dist_checkpointing.load(template, path)
     if len(chunks) == 1:
         chunks[0].module.load_state_dict(loaded["model"])
@@ -209,6 +250,8 @@ def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_di
     steps = saved_adam_steps(loaded["optimizer"])
     if len(steps) > 1:
         raise RuntimeError(f"{path}: optimizer param_groups hold different Adam steps {sorted(steps)}")
+    if sharding_type == "fully_reshardable":
+        _keep_step_on_fully_reshardable_load(optimizer)
     with torch.no_grad():  # fp32 main params are views of the model's leaf params
         optimizer.load_state_dict(loaded["optimizer"])
     if steps:
@@ -291,14 +334,16 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
+    trace = StepTrace()
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
             lr = lr_at(train.lr_schedule, train.optimizer.lr, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = _micro_batches(dataset, rank_micro_batches(global_batch_indices(sampler), dp_rank, dp,
-                                                                  train.micro_batch_size))
+            global_indices = global_batch_indices(sampler)
+            trace.record(global_indices)
+            batches = _micro_batches(dataset, rank_micro_batches(global_indices, dp_rank, dp, train.micro_batch_size))
             if device != "cpu":
                 batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
             for chunk in chunks:
@@ -325,7 +370,8 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
             metrics.append(record)
             message = log.write(record)
             if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
-                checkpoints.append(save_checkpoint(chunks, optimizer, step + 1, sampler, spec.save_dir))
+                checkpoints.append(save_checkpoint(chunks, optimizer, step + 1, sampler, spec.save_dir,
+                                                   model=model_spec))
             if message and spec.stop_on_nonfinite:
                 stopped = message
                 break
@@ -333,5 +379,5 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
         log.close()
     return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped,
-                      extra={"tp": spec.tp, "pp": spec.pp, "ep": spec.ep, "vpp": spec.vpp, "dp": dp,
-                             "distributed_optimizer": spec.distributed_optimizer})
+                      extra=trace.extra(tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, dp=dp,
+                                        distributed_optimizer=spec.distributed_optimizer))

@@ -1,0 +1,63 @@
+"""What a checkpoint format plugs into the converter: one `CheckpointFormat` value per format module.
+
+Call sequence (coordinator): `detect(path)` picks the format of a source; its `read(path, expect)`
+builds the index from metadata only; the target format's `target(index, options)` describes the
+files it will write (a `TargetSpec`) and its `writer` assembles each file from filled buffers
+(run by the executor's workers). Formats register in `checkpoint.formats.FORMATS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpoint.execute import Writer
+from checkpoint.index import CheckpointIndex
+from checkpoint.plan import TargetSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadOptions:
+    """How to read a source: trust for pickles outside the allow-list, and the declared layout to check.
+
+    `None` fields are not checked; a reader raises LayoutMismatchError when the files say otherwise.
+    """
+
+    trust_checkpoint: bool = False
+    dp: int | None = None
+    zero_stage: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetOptions:
+    """The target layout; `None` means "the source's" (or the format's only choice).
+
+    `dp` is the data-parallel (for DCP: world) size; `arch` names the HF parameter-name map.
+    """
+
+    dp: int | None = None
+    zero_stage: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    arch: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointFormat:
+    """One format: its name, detection, reader and (when writable) target builder and writer."""
+
+    name: str
+    description: str
+    detect: Callable[[Path], bool]
+    read: Callable[[Path, ReadOptions], CheckpointIndex]
+    target: Callable[[CheckpointIndex, TargetOptions], TargetSpec] | None = None
+    writer: Writer | None = None
+
+    @property
+    def writable(self) -> bool:
+        return self.target is not None and self.writer is not None

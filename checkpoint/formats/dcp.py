@@ -1,0 +1,346 @@
+"""PyTorch Distributed Checkpoint (DCP) as FSDP2/torchtitan write it: reader and writer, model + Adam state.
+
+On-disk layout (torch 2.x `FileSystemWriter`, no storage transforms): `.metadata` (a pickled
+`Metadata`, read here only through DCP's own `FileSystemReader.read_metadata()`) and one
+`__<rank>_0.distcp` per rank holding, at byte ranges listed in `storage_data`, each chunk the
+rank saved (a `torch.save`d tensor) and each non-tensor value (a `torch.save`d object).
+State-dict layout (torchtitan / `get_model_state_dict` + `get_optimizer_state_dict`):
+`model.<param>`, `optimizer.state.<param>.{exp_avg,exp_avg_sq,step}`,
+`optimizer.param_groups.<i>.<hparam>`, plus any other non-tensor values (`lr_scheduler.*`,
+`migrate.*`) which the writer carries over unchanged.
+
+Canonical names are the model's parameter names, as in DeepSpeed's `param_shapes`. The writer
+shards every tensor along dim 0 in `world_size` pieces (FSDP2's `torch.chunk` split); DCP's own
+loader reshards on load anyway, so any world size loads it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+
+FORMAT = "dcp"
+METADATA = ".metadata"
+_OPTIM_KINDS = {"exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ, "step": Kind.STEP}
+_KIND_NAMES = {v: k for k, v in _OPTIM_KINDS.items()}
+
+
+def data_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def fqn_path(key: TensorKey) -> tuple[str, ...]:
+    """The state-dict path of a canonical tensor: ('model', name) or ('optimizer', 'state', name, kind)."""
+    if key.kind is Kind.PARAM:
+        return ("model", key.name)
+    if key.kind in _KIND_NAMES:
+        return ("optimizer", "state", key.name, _KIND_NAMES[key.kind])
+    raise PlanError(f"DCP has no place for tensor {key} (kinds written: param, exp_avg, exp_avg_sq, step)")
+
+
+def _fqn(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    return (path / METADATA).is_file() and any(path.glob("*.distcp"))
+
+
+def _read_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
+        raise CheckpointFormatError(f"{path / METADATA}: unreadable DCP metadata (truncated or corrupt?): {err}") from err
+
+
+def _nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
+    """{('a', 0, 'b'): v} -> {'a': [{'b': v}]} (integer keys become list positions)."""
+    root: dict[Any, Any] = {}
+    for path, value in flat.items():
+        cur = root
+        for k in path[:-1]:
+            cur = cur.setdefault(k, {})
+        cur[path[-1]] = value
+
+    def lists(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if obj and all(isinstance(k, int) for k in obj):
+                return [lists(obj[k]) for k in sorted(obj)]
+            return {k: lists(v) for k, v in obj.items()}
+        return obj
+
+    return lists(root)
+
+
+def read_dcp(path: str | Path, *, expect_dp: int | None = None) -> CheckpointIndex:
+    """Index a DCP checkpoint from `.metadata`; non-tensor values are loaded (weights_only) into meta.
+
+    Raises CheckpointFormatError for missing data files, storage transforms or tensors this reader
+    does not understand, LayoutMismatchError when `expect_dp` differs from the number of data files.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    root = Path(path)
+    md = _read_metadata(root)
+    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for idx, info in md.storage_data.items():
+        if info.transform_descriptors:
+            raise CheckpointFormatError(f"{root}: {idx.fqn} is stored with transforms {info.transform_descriptors}; "
+                                        f"only plain torch_save DCP files are supported")
+        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
+    files = sorted({info.relative_path for info in storage.values()})
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise CheckpointFormatError(f"{root}: .metadata lists data files {missing} that are missing")
+    planner_data = dict(md.planner_data or {})
+    entries: list[TensorEntry] = []
+    values: dict[tuple[Any, ...], Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        path_ = tuple(planner_data.get(fqn, tuple(fqn.split("."))))
+        if isinstance(item, BytesStorageMetadata):
+            info = storage.get((fqn, None))
+            if info is None:
+                raise CheckpointFormatError(f"{root}: no storage entry for value {fqn}")
+            values[path_] = load_range(root / info.relative_path, info.offset, info.length)
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointFormatError(f"{root}: {fqn} has unknown metadata {type(item).__name__}")
+        key = _tensor_key(path_, fqn, root)
+        chunks = []
+        for c in item.chunks:
+            info = storage.get((fqn, tuple(c.offsets)))
+            if info is None:
+                raise CheckpointFormatError(f"{root}: no storage entry for {fqn} chunk at {list(c.offsets)}")
+            chunks.append(ChunkRef(file=info.relative_path, key=(BYTE_RANGE, info.offset, info.length),
+                                   offsets=tuple(c.offsets), lengths=tuple(c.sizes)))
+        entry = TensorEntry(key=key, shape=tuple(item.size), dtype=dtype_name(item.properties.dtype),
+                            chunks=tuple(chunks))
+        entry.check_complete()
+        entries.append(entry)
+    world = len([f for f in files if f.endswith(".distcp")])
+    if expect_dp is not None and expect_dp != world:
+        raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint has {world} rank files")
+    nested = _nest(values)
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=(METADATA, *files),
+                           meta=_meta(entries, nested, world))
+
+
+def _tensor_key(path: tuple[Any, ...], fqn: str, root: Path) -> TensorKey:
+    if len(path) == 2 and path[0] == "model":
+        return TensorKey(name=str(path[1]), kind=Kind.PARAM)
+    if len(path) == 4 and path[:2] == ("optimizer", "state") and path[3] in _OPTIM_KINDS:
+        return TensorKey(name=str(path[2]), kind=_OPTIM_KINDS[path[3]])
+    raise CheckpointFormatError(f"{root}: tensor {fqn} (path {list(path)}) is neither a model parameter nor Adam "
+                                f"state (exp_avg, exp_avg_sq, step)")
+
+
+def _meta(entries: Sequence[TensorEntry], values: Mapping[str, Any], world: int) -> dict[str, Any]:
+    params = [e for e in entries if e.key.kind is Kind.PARAM]
+    optim = values.get("optimizer", {})
+    groups = optim.get("param_groups", []) if isinstance(optim, Mapping) else []
+    others = {k: v for k, v in values.items() if k != "optimizer"}
+    client = {k: v for k, v in others.items() if k != "lr_scheduler"}
+    step = None
+    if isinstance(client.get("migrate"), Mapping):
+        step = client["migrate"].get("step")
+    return {
+        "dp": world,
+        "dtype": params[0].dtype if params else "float32",
+        "global_steps": step,
+        "dcp_values": others,
+        "train_state": {
+            "step": step,
+            "lr_scheduler": others.get("lr_scheduler"),
+            "client": client,
+            "param_names": [e.key.name for e in params],
+            "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+            "optimizer_group_params": [list(g.get("params", [])) for g in groups],
+        },
+    }
+
+
+# ---------------------------------------------------------------- writer
+
+def dim0_pieces(shape: tuple[int, ...], world: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """FSDP2's `torch.chunk` split along dim 0: [(rank, offsets, lengths)] of the non-empty pieces.
+
+    0-d tensors (Adam's step) are one piece on rank 0.
+    """
+    if not shape:
+        return [(0, (), ())]
+    size = -(-shape[0] // world) if shape[0] else 0
+    out = []
+    for r in range(world):
+        lo, hi = r * size, min((r + 1) * size, shape[0])
+        if lo < hi:
+            out.append((r, (lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:])))
+    return out or [(0, (0,) * len(shape), shape)]
+
+
+def _values_from(index: CheckpointIndex, names: Sequence[str]) -> dict[str, Any]:
+    """The non-tensor values to write: the source's own DCP values, else built from its train state."""
+    m = index.meta
+    if "dcp_values" in m:
+        values = dict(m["dcp_values"])
+    else:
+        ts = m.get("train_state") or {}
+        values = dict(ts.get("client") or {})
+        if ts.get("lr_scheduler") is not None:
+            values["lr_scheduler"] = ts["lr_scheduler"]
+    ts = m.get("train_state") or {}
+    groups = [dict(g) for g in ts.get("optimizer_param_groups") or [{}]]
+    owners = ts.get("optimizer_group_params") or []
+    if len(groups) == 1 or not owners:
+        owners = [list(names)] + [[] for _ in groups[1:]]
+    for g, own in zip(groups, owners):
+        g.pop("params", None)
+        g.update(_torch_hparams(g))
+        g["params"] = list(own)
+    values["optimizer"] = {"param_groups": groups}
+    return values
+
+
+def _torch_hparams(g: Mapping[str, Any]) -> dict[str, Any]:
+    """torch.optim.Adam/AdamW param-group fields DCP's optimizer loader expects (kept when present)."""
+    out = {"betas": tuple(g["betas"])} if isinstance(g.get("betas"), (list, tuple)) else {}
+    for k, default in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                       ("differentiable", False), ("fused", None)):
+        out[k] = g.get(k, default)
+    return out
+
+
+def _flatten(obj: Any, prefix: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:
+    """DCP's `flatten_state_dict` for plain values: nested dicts and lists become paths (lists kept
+    whole when they hold only scalars or strings, as DCP does for `params`)."""
+    if isinstance(obj, Mapping):
+        return [p for k, v in obj.items() for p in _flatten(v, (*prefix, k))]
+    if isinstance(obj, list) and obj and all(isinstance(v, Mapping) for v in obj):
+        return [p for i, v in enumerate(obj) for p in _flatten(v, (*prefix, i))]
+    return [(prefix, obj)]
+
+
+def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
+    """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
+    `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params)."""
+    if world < 1:
+        raise PlanError(f"DCP target needs world size >= 1, got {world}")
+    src = source.by_key()
+    params = [e for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)]
+    names = list(dict.fromkeys(e.key.name for e in params))
+    buffers: dict[str, list[TargetBuffer]] = {data_file(r): [] for r in range(world)}
+    entries: list[TensorEntry] = []
+    for name in names:
+        shape = (src.get(TensorKey(name=name, kind=Kind.PARAM)) or src[TensorKey(name=name, kind=Kind.MASTER)]).shape
+        kinds = [(Kind.PARAM, shape, "float32")]
+        for kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP):
+            e = src.get(TensorKey(name=name, kind=kind))
+            if e is not None:
+                kinds.append((kind, e.shape, e.dtype))
+        for kind, shp, dt in kinds:
+            key = TensorKey(name=name, kind=kind)
+            fqn = _fqn(fqn_path(key))
+            chunks = []
+            for r, offs, lens in dim0_pieces(shp, world):
+                bkey = ("chunk", fqn, offs)
+                buffers[data_file(r)].append(TargetBuffer(key=bkey, shape=lens, dtype=dt))
+                chunks.append(ChunkRef(file=data_file(r), key=bkey, offsets=offs, lengths=lens))
+            entries.append(TensorEntry(key=key, shape=shp, dtype=dt, chunks=tuple(chunks)))
+    values = _values_from(source, names)
+    meta = {"dp": world, "dtype": "float32", "global_steps": source.meta.get("global_steps"),
+            "values": [[list(p), v] for p, v in _flatten(values, ())],
+            "tensors": [[list(fqn_path(e.key)), list(e.shape), e.dtype] for e in entries]}
+    files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
+             for r in range(world)]
+    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
+                            files=(METADATA, *(f.path for f in files)), meta=meta)
+    return TargetSpec(index=index, files=tuple(files))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DCPWriter:
+    """Writes each rank's `.distcp` chunk by chunk and, as the coordinator, DCP's `.metadata` last."""
+
+    def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role != "data":
+            raise PlanError(f"DCP writer: unknown file role {file.role!r} for {file.path}")
+        values = meta["values"] if file.rank == 0 else []
+
+        def write(stream: BinaryIO) -> list[tuple[str, Any, int, int]]:
+            placed = []
+            for b in file.buffers:
+                start = stream.tell()
+                torch.save(buffers[b.key], stream)
+                placed.append((b.key[1], list(b.key[2]), start, stream.tell() - start))
+            for path, value in values:
+                start = stream.tell()
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                stream.write(buf.getbuffer())
+                placed.append((_fqn(path), None, start, stream.tell() - start))
+            return placed
+
+        return StreamPayload(write=write)
+
+    def finalize(self, records: Sequence[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                           MetadataIndex, StorageMeta, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        sd_meta: dict[str, Any] = {}
+        planner: dict[str, tuple[Any, ...]] = {}
+        for path, shape, dt in meta["tensors"]:
+            fqn = _fqn(path)
+            planner[fqn] = tuple(path)
+            sd_meta[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, dt)),
+                                                 size=torch.Size(shape), chunks=[])
+        for path, _ in meta["values"]:
+            planner[_fqn(path)] = tuple(path)
+            sd_meta[_fqn(path)] = BytesStorageMetadata()
+        storage = {}
+        shapes = {_fqn(p): tuple(s) for p, s, _ in meta["tensors"]}
+        for rec in records:
+            for fqn, offsets, start, length in rec.extra or ():
+                if offsets is None:
+                    idx = MetadataIndex(fqn=fqn)
+                else:
+                    tsm = sd_meta[fqn]
+                    lengths = next(lens for _, offs, lens in dim0_pieces(shapes[fqn], meta["dp"])
+                                   if list(offs) == offsets)
+                    idx = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tsm.chunks))
+                    tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(lengths)))
+                storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
+        md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
+                      storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
+        return {METADATA: pickle.dumps(md)}
+
+
+# ---------------------------------------------------------------- registration
+
+def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
+    return read_dcp(path, expect_dp=opts.dp)
+
+
+def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
+    if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
+        raise PlanError(f"DCP target is written for FSDP at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
+    return dcp_target(index, world=opts.dp if opts.dp is not None else int(index.meta.get("dp", 1)))
+
+
+SPEC = CheckpointFormat(name=FORMAT, description="PyTorch DCP (FSDP2/torchtitan: model + Adam state)",
+                        detect=is_dcp_checkpoint, read=_read, target=_target, writer=DCPWriter())

@@ -1,0 +1,204 @@
+"""Hugging Face safetensors weights: reader and writer, with a parameter-name map per architecture.
+
+Weights only: a HF checkpoint holds no optimizer state, so converting it into a training format
+gives a weights-only target (the plan summary says so). Canonical names are the built-in decoder's
+(`layers.0.self_attn.q_proj.weight`, the names DeepSpeed and DCP checkpoints carry); the map turns
+them into the HF names of `llama` (LlamaForCausalLM), `mixtral` (MixtralForCausalLM) and `gpt`
+(GPTNeoForCausalLM naming: separate q/k/v, LayerNorm, non-gated MLP). Files: `model.safetensors`
+or shards listed in `model.safetensors.index.json`; the writer writes one `model.safetensors`
+whose header metadata records the architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.errors import CheckpointFormatError, PlanError
+from checkpoint.execute import SAFETENSORS
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+
+FORMAT = "hf"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+ARCH_KEY = "migrate_architecture"
+
+_LLAMA = [
+    ("embed_tokens.{P}", "model.embed_tokens.{P}"),
+    ("layers.{L}.{R}", "model.layers.{L}.{R}"),
+    ("norm.{P}", "model.norm.{P}"),
+    ("lm_head.{P}", "lm_head.{P}"),
+]
+_MIXTRAL = [
+    ("layers.{L}.mlp.gate.{P}", "model.layers.{L}.block_sparse_moe.gate.{P}"),
+    ("layers.{L}.mlp.experts.{E}.gate_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w1.{P}"),
+    ("layers.{L}.mlp.experts.{E}.down_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.{P}"),
+    ("layers.{L}.mlp.experts.{E}.up_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.{P}"),
+    *_LLAMA,
+]
+_GPT = [
+    ("embed_tokens.{P}", "transformer.wte.{P}"),
+    ("layers.{L}.input_layernorm.{P}", "transformer.h.{L}.ln_1.{P}"),
+    ("layers.{L}.post_attention_layernorm.{P}", "transformer.h.{L}.ln_2.{P}"),
+    ("layers.{L}.self_attn.o_proj.{P}", "transformer.h.{L}.attn.attention.out_proj.{P}"),
+    ("layers.{L}.self_attn.{Q}_proj.{P}", "transformer.h.{L}.attn.attention.{Q}_proj.{P}"),
+    ("layers.{L}.mlp.up_proj.{P}", "transformer.h.{L}.mlp.c_fc.{P}"),
+    ("layers.{L}.mlp.down_proj.{P}", "transformer.h.{L}.mlp.c_proj.{P}"),
+    ("norm.{P}", "transformer.ln_f.{P}"),
+    ("lm_head.{P}", "lm_head.{P}"),
+]
+NAME_MAPS: dict[str, list[tuple[str, str]]] = {"llama": _LLAMA, "mixtral": _MIXTRAL, "gpt": _GPT}
+_HF_MODEL_TYPES = {"llama": "llama", "mixtral": "mixtral", "gpt_neo": "gpt"}
+_FIELD = {"L": r"\d+", "E": r"\d+", "P": r"weight|bias", "Q": r"[qkv]", "R": r".+"}
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    parts = re.split(r"(\{[A-Z]\})", template)
+    body = "".join(f"(?P<{p[1]}>{_FIELD[p[1]]})" if re.fullmatch(r"\{[A-Z]\}", p) else re.escape(p) for p in parts)
+    return re.compile(f"^{body}$")
+
+
+def rename(name: str, arch: str, *, to_hf: bool) -> str:
+    """Canonical -> HF name (to_hf) or back, by the first matching rule of `arch`'s map."""
+    if arch not in NAME_MAPS:
+        raise PlanError(f"no HF name map for architecture {arch!r}; known: {sorted(NAME_MAPS)}")
+    for canonical, hf in NAME_MAPS[arch]:
+        src, dst = (canonical, hf) if to_hf else (hf, canonical)
+        m = _regex(src).match(name)
+        if m:
+            return dst.format(**m.groupdict())
+    side = "canonical" if to_hf else "HF"
+    raise CheckpointFormatError(f"{side} parameter {name!r} has no rule in the {arch} name map")
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    return path.is_dir() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
+
+
+def _files(root: Path) -> list[str]:
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise CheckpointFormatError(f"{root / INDEX}: no readable weight_map ({err})") from err
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [WEIGHTS]
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise CheckpointFormatError(f"{root}: safetensors files {missing} are missing")
+    return files
+
+
+def _architecture(root: Path, header: Mapping[str, str], names: list[str]) -> str:
+    if (root / "config.json").is_file():
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        if model_type in _HF_MODEL_TYPES:
+            return _HF_MODEL_TYPES[model_type]
+    if header.get(ARCH_KEY) in NAME_MAPS:
+        return header[ARCH_KEY]
+    if any(".block_sparse_moe." in n for n in names):
+        return "mixtral"
+    return "gpt" if any(n.startswith("transformer.h.") for n in names) else "llama"
+
+
+def read_hf(path: str | Path) -> CheckpointIndex:
+    """Index safetensors weights from the file headers (no tensor data read) as canonical params."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    found: list[tuple[str, str, tuple[int, ...], str]] = []
+    header: dict[str, str] = {}
+    for f in _files(root):
+        try:
+            with safe_open(str(root / f), framework="pt", device="cpu") as st:
+                header.update(st.metadata() or {})
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    found.append((f, k, tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), root / f, k)))
+        except (OSError, Exception) as err:  # safetensors raises SafetensorError on a bad header
+            if isinstance(err, CheckpointFormatError):
+                raise
+            raise CheckpointFormatError(f"{root / f}: unreadable safetensors file: {err}") from err
+    arch = _architecture(root, header, [k for _, k, _, _ in found])
+    entries = [TensorEntry(key=TensorKey(name=rename(k, arch, to_hf=False), kind=Kind.PARAM), shape=shape, dtype=dt,
+                           chunks=(ChunkRef(file=f, key=(SAFETENSORS, k), offsets=(0,) * len(shape), lengths=shape),))
+               for f, k, shape, dt in found]
+    dtype = entries[0].dtype if entries else "float32"
+    meta = {"architecture": arch, "dtype": dtype, "dp": 1,
+            "train_state": {"step": None, "lr_scheduler": None, "client": {},
+                            "param_names": [e.key.name for e in entries], "optimizer_param_groups": [],
+                            "optimizer_group_params": []}}
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(_files(root)), meta=meta)
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _st_dtype(code: str, file: Path, name: str) -> str:
+    try:
+        return _ST_DTYPES[code]
+    except KeyError:
+        raise CheckpointFormatError(f"{file}: tensor {name} has unsupported dtype {code}") from None
+
+
+def hf_target(source: CheckpointIndex, *, arch: str | None) -> TargetSpec:
+    """One `model.safetensors` with every parameter of `source` under its HF name, in the model dtype
+    (params from fp32 masters when the source keeps only those, e.g. ZeRO-3)."""
+    arch = arch or source.meta.get("architecture") or "llama"
+    if arch not in NAME_MAPS:
+        raise PlanError(f"no HF name map for architecture {arch!r}; known: {sorted(NAME_MAPS)}")
+    dtype = source.meta.get("dtype", "float32")
+    names = list(dict.fromkeys(e.key.name for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)))
+    shapes = {e.key.name: e.shape for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)}
+    params = {e.key.name: e for e in source.entries if e.key.kind is Kind.PARAM}
+    entries, buffers = [], []
+    for name in names:
+        dt = params[name].dtype if name in params else dtype
+        hf_name = rename(name, arch, to_hf=True)
+        key = (SAFETENSORS, hf_name)
+        buffers.append(TargetBuffer(key=key, shape=shapes[name], dtype=dt))
+        entries.append(TensorEntry(key=TensorKey(name=name, kind=Kind.PARAM), shape=shapes[name], dtype=dt,
+                                   chunks=(ChunkRef(file=WEIGHTS, key=key, offsets=(0,) * len(shapes[name]),
+                                                    lengths=shapes[name]),)))
+    file = TargetFile(path=WEIGHTS, role="weights", rank=None, buffers=tuple(buffers))
+    meta = {"architecture": arch, "dtype": dtype, "dp": 1, "weights_only": True}
+    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=(WEIGHTS,), meta=meta)
+    return TargetSpec(index=index, files=(file,))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFWriter:
+    """Serializes the filled weights with `safetensors.torch.save` (architecture in the header)."""
+
+    def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        from safetensors.torch import save
+
+        if file.role != "weights":
+            raise PlanError(f"HF writer: unknown file role {file.role!r} for {file.path}")
+        return save({b.key[1]: buffers[b.key] for b in file.buffers},
+                    metadata={"format": "pt", ARCH_KEY: meta["architecture"]})
+
+
+def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
+    return read_hf(path)
+
+
+def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
+    if (opts.dp or 1, opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1, 1):
+        raise PlanError(f"HF safetensors hold unsharded weights: no dp/tp/pp/ep; got dp={opts.dp} tp={opts.tp} "
+                        f"pp={opts.pp} ep={opts.ep}")
+    return hf_target(index, arch=opts.arch)
+
+
+SPEC = CheckpointFormat(name=FORMAT, description="Hugging Face safetensors weights (llama, mixtral, gpt names)",
+                        detect=is_hf_checkpoint, read=_read, target=_target, writer=HFWriter())

@@ -1,0 +1,642 @@
+"""Megatron-Core dist checkpoints (torch_dist): metadata-only reader and a fully-reshardable writer.
+
+On disk (`iter_NNNNNNN/`): `metadata.json` (backend), `common.pt` (non-sharded state: iteration,
+optimizer param groups, ours), DCP's `.metadata` and `__{rank}_{thread}.distcp` files holding one
+`torch.save` blob per stored chunk. Model tensors are stored stacked over layers (and experts) under
+the keys of `checkpoint.rules.megatron`; the DistributedOptimizer state is either
+* dp_reshardable (what the training engine writes): per (TP, PP[, EP]) domain one flat bucket per
+  grad buffer, `[chained_{c}.]optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}.dtype_{..}.
+  bucket_idx_{b}.{param|exp_avg|exp_avg_sq}`, params in reverse named_parameters order, each start
+  padded to 64 elements (Megatron-Core's `_ParamAndGradBuffer`), or
+* fully_reshardable (what the writer emits): `[chained_{c}.]optimizer.state.{param|exp_avg|exp_avg_sq}.<model key>`
+  with the model tensor's global shape, loadable by Megatron-Core at any TP/PP/EP/DP.
+Chunks point into DCP blobs with key `(BYTE_RANGE, byte offset, byte length)`; the index is canonical
+(HF-style names, QKV and GLU unfused, vocab padding dropped), so any layout maps onto any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint import safe_load
+from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
+from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.rules.megatron import (RULES, ArchSpec, TensorRule, canonical_name, canonical_tensors, expert_range,
+                                       flat_run_boxes, holds_model_tensor, matrix_shape, segments, stacked_shape,
+                                       stage_layers, tp_local_cols, tp_local_rows)
+
+FORMAT = "megatron"
+STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
+_DPR_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                     r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_FR_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
+PARAM_ALIGN = 64  # Megatron-Core pads each param start in a grad buffer to 64 elements
+
+
+def resolve_iteration_dir(path: str | Path) -> Path:
+    """An `iter_*` directory as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
+    path = Path(path)
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        return path / f"iter_{int(tracker.read_text().strip()):07d}"
+    return path
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    d = resolve_iteration_dir(path)
+    try:
+        return json.loads((d / "metadata.json").read_text()).get("sharded_backend") == "torch_dist" \
+            and (d / "common.pt").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------- box -> canonical chunks (pure)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Piece:
+    name: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    storage_offset: int
+
+
+def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | None, rows: tuple[int, int] | None,
+            cols: tuple[int, int], start: int) -> list[_Piece]:
+    """Canonical pieces of a contiguous stored block: global matrix rows (start, n) x cols (c0, nc)
+    (rows None for vectors), first element at `start` of the stored blob."""
+    c0, nc = cols
+    out = []
+    for i, seg in enumerate(segments(rule, arch)):
+        name = canonical_name(rule, seg, layer, expert)
+        shape = _canon_shape(rule, arch, seg.part)
+        if rows is None:  # a vector (norm weight/bias): one segment, the whole vector
+            if i == 0:
+                out.append(_Piece(name=name, shape=shape, offsets=(c0,), lengths=(nc,), storage_offset=start))
+            continue
+        lo, hi = max(rows[0], seg.start), min(rows[0] + rows[1], seg.start + seg.length)
+        if lo < hi:
+            out.append(_Piece(name=name, shape=shape, offsets=(seg.dst + lo - seg.start, c0), lengths=(hi - lo, nc),
+                              storage_offset=start + (lo - rows[0]) * nc))
+    return out
+
+
+@functools.cache
+def _canon_shape(rule: TensorRule, arch: ArchSpec, part: str) -> tuple[int, ...]:
+    m = matrix_shape(rule, arch)
+    if len(m) == 1:
+        return m
+    return (sum(s.length for s in segments(rule, arch) if s.part == part), *m[1:])
+
+
+def box_pieces(rule: TensorRule, arch: ArchSpec, offsets: tuple[int, ...], lengths: tuple[int, ...],
+               start: int = 0) -> list[_Piece]:
+    """Canonical pieces of a stored chunk that is the box (offsets, lengths) of the stacked key tensor."""
+    lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
+    mat_o, mat_n = offsets[lead:], lengths[lead:]
+    block = math.prod(mat_n)
+    out = []
+    lead_idx = [range(o, o + n) for o, n in zip(offsets[:lead], lengths[:lead])]
+    combos = [()] if lead == 0 else ([(i,) for i in lead_idx[0]] if lead == 1 else
+                                     [(i, j) for i in lead_idx[0] for j in lead_idx[1]])
+    for k, idx in enumerate(combos):
+        layer = idx[0] if lead >= 1 else None
+        expert = idx[1] if lead == 2 else None
+        if len(mat_n) == 1:
+            out += _pieces(rule, arch, layer, expert, None, (mat_o[0], mat_n[0]), start + k * block)
+        else:
+            if mat_n[1] != matrix_shape(rule, arch, 1)[1] and len(segments(rule, arch)) > 1:
+                raise CheckpointFormatError(f"{rule.key}: chunk {offsets}+{lengths} splits the columns of a fused "
+                                            f"tensor; its rows are not contiguous per canonical part")
+            out += _pieces(rule, arch, layer, expert, (mat_o[0], mat_n[0]), (mat_o[1], mat_n[1]), start + k * block)
+    return out
+
+
+# ---------------------------------------------------------------- dp_reshardable bucket layout (pure)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalParam:
+    """One DDP parameter of a (TP, PP, EP) domain: its rule, layer/expert, TP-local rows/cols, numel."""
+
+    rule: TensorRule
+    layer: int | None
+    expert: int | None
+    row_runs: tuple[tuple[int, int], ...]
+    cols: tuple[int, int]
+    vector: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.vector:
+            return (self.cols[1],)
+        return (sum(n for _, n in self.row_runs), self.cols[1])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
+                  vp_stage: int, ep_rank: int, experts: bool) -> list[LocalParam]:
+    """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order."""
+    rules = RULES[arch.architecture]
+    out: list[LocalParam] = []
+
+    def add(rule: TensorRule, layer: int | None, expert: int | None) -> None:
+        vector = len(matrix_shape(rule, arch)) == 1
+        out.append(LocalParam(rule=rule, layer=layer, expert=expert, vector=vector,
+                              row_runs=() if vector else tp_local_rows(rule, arch, tp, tp_rank),
+                              cols=tp_local_cols(rule, arch, tp, tp_rank)))
+
+    first, last = rules.model[0], rules.model[1:]
+    if not experts and holds_model_tensor(first, pp, vpp, pp_rank, vp_stage):
+        add(first, None, None)
+    for layer in stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage):
+        for rule in rules.layer:
+            if rule.scope == "expert":
+                if experts:
+                    for e in expert_range(arch.num_experts, ep, ep_rank):
+                        add(rule, layer, e)
+            elif not experts:
+                add(rule, layer, None)
+    if experts:  # experts are named mlp.experts.local_experts.{i}.linear_fc{1,2}: per expert, fc1 then fc2
+        out.sort(key=lambda p: (p.layer, p.expert))
+    elif all(holds_model_tensor(r, pp, vpp, pp_rank, vp_stage) for r in last):
+        for rule in last:
+            add(rule, None, None)
+    return out
+
+
+def bucket_layout(params: list[LocalParam]) -> tuple[list[tuple[LocalParam, int]], int]:
+    """[(param, start element)] in the flat bucket and the bucket's unpadded numel (reverse order, 64-aligned)."""
+    placed, pos, end = [], 0, 0
+    for p in reversed(params):
+        pos = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
+        placed.append((p, pos))
+        end = pos + p.numel
+        pos = end
+    return placed, end
+
+
+def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: int) -> list[_Piece]:
+    """Canonical pieces of elements [lo, hi) of local param `p`, the element lo stored at `start`."""
+    out = []
+    for offs, lens, first in flat_run_boxes(p.shape, lo, hi):
+        st = start + first - lo
+        if p.vector:
+            out += _pieces(p.rule, arch, p.layer, p.expert, None, (p.cols[0] + offs[0], lens[0]), st)
+            continue
+        r, nr = offs[0], lens[0]
+        local = 0
+        for g0, n in p.row_runs:
+            a, b = max(r, local), min(r + nr, local + n)
+            if a < b:
+                out += _pieces(p.rule, arch, p.layer, p.expert, (g0 + a - local, b - a),
+                               (p.cols[0] + offs[1], lens[1]), st + (a - r) * p.shape[1])
+            local += n
+    return out
+
+
+# ---------------------------------------------------------------- reader
+
+def _arch_from_common(common: Mapping[str, Any], root: Path) -> ArchSpec:
+    model = (common.get("migrate") or {}).get("model")
+    if not isinstance(model, Mapping):
+        raise CheckpointFormatError(f"{root / 'common.pt'}: no migrate.model (architecture) entry; the converter "
+                                    f"needs the model spec that the migrate Megatron engine saves")
+    return ArchSpec.from_dict(dict(model))
+
+
+def _storage(md: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
+    return {(idx.fqn, tuple(idx.offset) if idx.offset is not None else ()): info for idx, info in md.storage_data.items()}
+
+
+def _chunk_ref(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...], storage_offset: int) -> ChunkRef:
+    return ChunkRef(file=info.relative_path, key=(BYTE_RANGE, int(info.offset), int(info.length)), offsets=offsets,
+                    lengths=lengths, storage_offset=storage_offset)
+
+
+def read_megatron(path: str | Path, *, trust_checkpoint: bool = False, expect_tp: int | None = None,
+                  expect_pp: int | None = None, expect_ep: int | None = None,
+                  expect_dp: int | None = None) -> CheckpointIndex:
+    """Index a torch_dist checkpoint from `.metadata`, `metadata.json` and `common.pt` (no tensor data read).
+
+    Raises CheckpointFormatError naming the key/file for anything the rules do not explain, and
+    LayoutMismatchError when the declared layout differs from the one in the files.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = resolve_iteration_dir(path)
+    if not is_megatron_checkpoint(root):
+        raise CheckpointFormatError(f"{root}: not a Megatron-Core torch_dist checkpoint (metadata.json, common.pt)")
+    common = safe_load.load(root / "common.pt", trust_checkpoint=trust_checkpoint)
+    md = FileSystemReader(str(root)).read_metadata()
+    return index_from_metadata(md, common, root, expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep,
+                               expect_dp=expect_dp)
+
+
+def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expect_tp: int | None = None,
+                        expect_pp: int | None = None, expect_ep: int | None = None,
+                        expect_dp: int | None = None) -> CheckpointIndex:
+    """The index of a torch_dist checkpoint from DCP `Metadata` and the `common.pt` state (pure except for
+    the optimizer param-group objects, read from `root` when the metadata lists them as bytes)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    arch = _arch_from_common(common, root)
+    storage = _storage(md)
+    rules = RULES[arch.architecture].by_key()
+    tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
+    out_rows = tensors["output_layer.weight"].size[0] if "output_layer.weight" in tensors else arch.padded_vocab(1)
+    layout = _infer_layout(tensors, arch)
+    for name, want, got in (("tp", expect_tp, layout["tp"]), ("pp", expect_pp, layout["pp"]),
+                            ("ep", expect_ep, layout["ep"]), ("dp", expect_dp, layout["dp"])):
+        if want is not None and got is not None and want != got:
+            raise LayoutMismatchError(f"{root}: declared {name}={want} but the checkpoint was saved at {name}={got}")
+    acc: dict[TensorKey, tuple[tuple[int, ...], str, list[ChunkRef]]] = {}
+
+    def put(kind: Kind, dtype: str, pieces: list[_Piece], info: Any) -> None:
+        for pc in pieces:
+            key = TensorKey(name=pc.name, kind=kind)
+            acc.setdefault(key, (pc.shape, dtype, []))[2].append(
+                _chunk_ref(info, pc.offsets, pc.lengths, pc.storage_offset))
+
+    sharding = None
+    for key, tmd in tensors.items():
+        dtype = dtype_name(tmd.properties.dtype)
+        if key in rules:
+            rule = rules[key]
+            _check_shape(key, tuple(tmd.size), stacked_shape(rule, arch, layout["tp"]) if not rule.vocab else
+                         (out_rows, arch.hidden_size), root)
+            for c in tmd.chunks:
+                put(Kind.PARAM, dtype, box_pieces(rule, arch, tuple(c.offsets), tuple(c.sizes)),
+                    storage[(key, tuple(c.offsets))])
+        elif m := _FR_RE.match(key):
+            sharding = "fully_reshardable"
+            rule = rules.get(m.group(3))
+            if rule is None:
+                raise CheckpointFormatError(f"{root}: optimizer key {key} names model key {m.group(3)!r}, unknown to "
+                                            f"the {arch.architecture} rules")
+            for c in tmd.chunks:
+                put(STATE_KINDS[m.group(2)], dtype, box_pieces(rule, arch, tuple(c.offsets), tuple(c.sizes)),
+                    storage[(key, tuple(c.offsets))])
+        elif _DPR_RE.match(key):
+            sharding = "dp_reshardable"
+        else:
+            raise CheckpointFormatError(f"{root}: tensor key {key!r} is not explained by the {arch.architecture} rules")
+    if sharding == "dp_reshardable":
+        for key, kind, dtype, pieces_by_chunk in _dp_reshardable_pieces(tensors, arch, layout, root):
+            for c, pieces in pieces_by_chunk:
+                put(kind, dtype, pieces, storage[(key, tuple(c.offsets))])
+    objects, groups = _objects(md, storage, root, common)
+    entries = []
+    for key in sorted(acc, key=lambda k: (k.name, str(k.kind))):
+        shape, dtype, chunks = acc[key]
+        entries.append(TensorEntry(key=key, shape=shape, dtype=dtype, chunks=tuple(chunks)))
+    _dedupe_check(entries, root)
+    meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout,
+            "sharding": sharding, "common": _common_meta(common),
+            "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
+            "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype)}
+    files = tuple(sorted({info.relative_path for info in storage.values()} | {"common.pt", "metadata.json", ".metadata"}))
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=meta)
+
+
+def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...], root: Path) -> None:
+    if got != want:
+        raise LayoutMismatchError(f"{root}: {key} has global shape {got} but the model spec gives {want}")
+
+
+def _dedupe_check(entries: list[TensorEntry], root: Path) -> None:
+    for e in entries:
+        e.check_complete()
+
+
+def _infer_layout(tensors: Mapping[str, Any], arch: ArchSpec) -> dict[str, Any]:
+    """tp from the vocab split of the output layer, pp/vpp/ep/dp from the optimizer domains (None if unknown)."""
+    out = tensors.get("output_layer.weight") or tensors["embedding.word_embeddings.weight"]
+    tp = len({tuple(c.offsets) for c in out.chunks})
+    dense, expert, gbufs, dp = set(), set(), set(), None
+    for key, tmd in tensors.items():
+        if m := _DPR_RE.match(key):
+            (expert if m.group(1) == "1" else dense).add(int(m.group(2)))
+            gbufs.add(int(m.group(3)))
+    pp = len(dense) // tp if dense else None
+    ep = len(expert) // (tp * pp) if expert and pp else (1 if dense else None)
+    return {"tp": tp, "pp": pp, "vpp": len(gbufs) or None, "ep": ep, "dp": dp}
+
+
+def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: Mapping[str, Any], root: Path):
+    tp, pp, vpp, ep = layout["tp"], layout["pp"], layout["vpp"], layout["ep"]
+    moe = arch.num_experts > 0
+    for key, tmd in tensors.items():
+        m = _DPR_RE.match(key)
+        if not m:
+            continue
+        chain, d, g, bucket = int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(5))
+        experts = moe and chain == 1
+        if bucket != 0:
+            raise CheckpointFormatError(f"{root}: {key}: more than one bucket per grad buffer (bucket_size set) is "
+                                        f"not supported")
+        tp_rank = d % tp
+        ep_rank = (d // tp) % ep if experts else 0
+        pp_rank = d // (tp * ep) if experts else d // tp
+        params = domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=g,
+                               ep_rank=ep_rank, experts=experts)
+        placed, numel = bucket_layout(params)
+        if (numel,) != tuple(tmd.size):
+            raise LayoutMismatchError(
+                f"{root}: {key} holds {tuple(tmd.size)} elements but the rules give {numel} for tp_rank={tp_rank} "
+                f"pp_rank={pp_rank} ep_rank={ep_rank} vp_stage={g} ({len(params)} params)")
+        kind = STATE_KINDS[m.group(6)]
+        out = []
+        for c in tmd.chunks:
+            c0, cn = c.offsets[0], c.sizes[0]
+            pieces = []
+            for p, start in placed:
+                if p.rule.tp_dim is None and tp_rank != 0:
+                    continue  # a TP-replicated param: every TP domain holds a copy; index TP rank 0's
+                lo, hi = max(c0, start), min(c0 + cn, start + p.numel)
+                if lo < hi:
+                    pieces += param_flat_pieces(arch, p, lo - start, hi - start, lo - c0)
+            out.append((c, pieces))
+        yield key, kind, dtype_name(tmd.properties.dtype), out
+
+
+def _common_meta(common: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain non-tensor common state carried to the target (iteration, ours, optimizer param groups)."""
+    return {k: v for k, v in common.items() if k != "optimizer"}
+
+
+# ---------------------------------------------------------------- target (fully_reshardable, full tensors)
+
+def owner_boxes(rule: TensorRule, arch: ArchSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int,
+                ep_rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes (offsets, lengths) of the stacked key tensor that the (tp, pp, ep) rank owns at `layout`.
+
+    Layers follow PP and virtual PP ownership, experts EP ownership, rows/cols the TP split (fused GLU:
+    a gate run and an up run); TP-replicated tensors are owned by TP rank 0 only (Megatron's replica 0).
+    """
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    mat = matrix_shape(rule, arch, tp)
+    if rule.tp_dim is None and tp_rank != 0:
+        return []
+    if rule.scope == "model":
+        if not any(holds_model_tensor(rule, pp, vpp, pp_rank, v) for v in range(vpp)):
+            return []
+        leads: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+    else:
+        runs = [stage_layers(arch.num_layers, pp, vpp, pp_rank, v) for v in range(vpp)]
+        leads = [((r.start,), (len(r),)) for r in runs]
+        if rule.scope == "expert":
+            ex = expert_range(arch.num_experts, layout.ep, ep_rank)
+            leads = [((*o, ex.start), (*n, len(ex))) for o, n in leads]
+    if len(mat) == 1:
+        mats = [((0,), mat)]
+    else:
+        c0, nc = tp_local_cols(rule, arch, tp, tp_rank)
+        mats = [((r0, c0), (nr, nc)) for r0, nr in tp_local_rows(rule, arch, tp, tp_rank)]
+    return [((*lo, *mo), (*ln, *mn)) for lo, ln in leads for mo, mn in mats]
+
+
+def split_box(offsets: tuple[int, ...], lengths: tuple[int, ...], parts: int,
+              vector: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a box into at most `parts` near-equal boxes along its longest dim (a matrix keeps its
+    columns whole, so fused rows stay contiguous per canonical tensor)."""
+    dims = range(len(lengths)) if vector else range(len(lengths) - 1)
+    d = max(dims, key=lambda i: (lengths[i], -i))
+    k = max(1, min(parts, lengths[d]))
+    out = []
+    for i in range(k):
+        lo, hi = lengths[d] * i // k, lengths[d] * (i + 1) // k
+        out.append(((*offsets[:d], offsets[d] + lo, *offsets[d + 1:]), (*lengths[:d], hi - lo, *lengths[d + 1:])))
+    return out
+
+
+def layer_boxes(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], lead: int):
+    """Split boxes of a stacked key into one box per layer (and expert), as Megatron stores them;
+    `lead` is the number of leading stacked dims (0 model, 1 layer, 2 expert)."""
+    for o, n in boxes:
+        if lead == 0:
+            yield o, n
+            continue
+        idx = [range(o[i], o[i] + n[i]) for i in range(lead)]
+        combos = [(i,) for i in idx[0]] if lead == 1 else [(i, j) for i in idx[0] for j in idx[1]]
+        for c in combos:
+            yield (*c, *o[lead:]), (*(1,) * lead, *n[lead:])
+
+
+def writer_ranks(layout: ParallelLayout, *, tp_rank: int, pp_rank: int, ep_rank: int, expert: bool) -> list[int]:
+    """The target ranks that share writing one owner box: its data-parallel (expert data-parallel) ranks."""
+    dps = range(ep_rank, layout.dp, layout.ep) if expert else range(layout.dp)
+    return [layout.rank_of(tp=tp_rank, dp=d, pp=pp_rank) for d in dps]
+
+
+def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
+                    vpp: int = 1) -> TargetSpec:
+    """The source's state as a fully-reshardable torch_dist checkpoint, written by the ranks of the target
+    layout: every (tp, pp, ep) shard of each model key and of each optimizer state is split over its
+    data-parallel ranks (one box per layer/expert, balanced by bytes; model-scope tensors split by rows), and
+    rank r writes its boxes to `__{r}_0.distcp` (DCP chunks of the global tensors).
+    Megatron-Core loads it at any TP/PP/EP/DP; `tp` picks the vocab padding. Raises PlanError when the
+    source lacks the architecture or the optimizer state, CheckpointFormatError when the layout does not
+    fit the model (e.g. query groups not divisible by tp)."""
+    m = source.meta
+    if "arch" not in m:
+        raise PlanError(f"source {source.root} ({source.format}) lacks the architecture (meta 'arch'): convert "
+                        f"from a Megatron checkpoint or give the model spec")
+    arch = ArchSpec.from_dict(dict(m["arch"]))
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
+    src = source.by_key()
+    kinds = [Kind.PARAM] + [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+                            if any(key.kind is k for key in src)]
+    if Kind.MASTER not in kinds:
+        raise PlanError(f"source {source.root} holds no fp32 master/optimizer state; a Megatron DistributedOptimizer "
+                        f"checkpoint needs it")
+    if m.get("optimizer_groups") is None or "common" not in m:
+        raise PlanError(f"source {source.root} ({source.format}) lacks Megatron optimizer param groups / common state")
+    moe = arch.num_experts > 0
+    if ep > 1 and not moe:
+        raise PlanError(f"target ep={ep} but the {arch.architecture} model has no experts")
+    dtype = m.get("model_dtype", "float32")
+    work = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
+    dcp_tensors = []
+    for rule in RULES[arch.architecture].all():
+        shape = stacked_shape(rule, arch, tp)
+        vector = len(matrix_shape(rule, arch, tp)) == 1
+        lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
+        keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, moe),
+                 dtype if kind is Kind.PARAM else "float32") for kind in kinds]
+        dcp_tensors += [[dkey, list(shape), dt] for _, dkey, dt in keys]
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                for ep_rank in range(ep if rule.scope == "expert" else 1):
+                    ranks = tuple(writer_ranks(layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank,
+                                               expert=rule.scope == "expert"))
+                    boxes = owner_boxes(rule, arch, layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
+                    if lead == 0:  # a model-scope tensor (embedding, output layer): rows over its DP ranks
+                        boxes = [b for o, n in boxes for b in split_box(o, n, len(ranks), vector)]
+                    for o, n in layer_boxes(boxes, lead):
+                        for kind, dkey, dt in keys:
+                            work.append((math.prod(n) * dtype_size(dt), len(work), ranks, rule, kind, dkey, o, n))
+    # Megatron's fully parallel save balances whole chunks over the DP ranks: largest first, least loaded.
+    load: dict[int, int] = defaultdict(int)
+    per_rank: dict[int, list[TargetBuffer]] = defaultdict(list)
+    entries: dict[TensorKey, list[ChunkRef]] = defaultdict(list)
+    for nbytes, _, ranks, rule, kind, dkey, o, n in sorted(work, key=lambda w: (-w[0], w[1])):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        load[rank] += nbytes
+        bkey = (dkey, *o)
+        file = f"__{rank}_0.distcp"
+        per_rank[rank].append(TargetBuffer(key=bkey, shape=n, dtype=dtype if kind is Kind.PARAM else "float32"))
+        for pc in box_pieces(rule, arch, o, n):
+            entries[TensorKey(name=pc.name, kind=kind)].append(
+                ChunkRef(file=file, key=bkey, offsets=pc.offsets, lengths=pc.lengths, storage_offset=pc.storage_offset))
+    shapes = dict(canonical_tensors(arch))
+    out = []
+    for key, chunks in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind))):
+        dt = dtype if key.kind is Kind.PARAM else "float32"
+        out.append(TensorEntry(key=key, shape=shapes[key.name], dtype=dt, chunks=tuple(chunks)))
+    files = tuple(TargetFile(path=f"__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
+                  for r in sorted(per_rank))
+    meta = {**m, "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
+            "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path}
+    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
+    return TargetSpec(index=index, files=files)
+
+
+def _state_key(kind: Kind, rule: TensorRule, moe: bool) -> str:
+    name = {Kind.MASTER: "param", Kind.EXP_AVG: "exp_avg", Kind.EXP_AVG_SQ: "exp_avg_sq"}[kind]
+    prefix = f"chained_{1 if rule.scope == 'expert' else 0}." if moe else ""
+    return f"{prefix}optimizer.state.{name}.{rule.key}"
+
+
+_OPT_OBJ_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/shard_0_1$")
+
+
+def _objects(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: Path,
+             common: Mapping[str, Any]) -> tuple[list[list[Any]], list[Any]]:
+    """Model ShardedObjects (`_extra_state`) as (fqn, file, offset, length) to copy verbatim, and the
+    optimizer's non-tensor state (param groups with lr, betas, step) per chained optimizer."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects, groups = [], {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(tmd, BytesStorageMetadata):
+            continue
+        info = storage[(fqn, ())]
+        if "._extra_state/" in fqn:
+            objects.append([fqn, info.relative_path, int(info.offset), int(info.length)])
+        elif m := _OPT_OBJ_RE.match(fqn):
+            value = load_range(root / info.relative_path, int(info.offset), int(info.length))
+            groups[int(m.group(1) or 0)] = value[0] if isinstance(value, list) else value
+    if not groups:  # fully_reshardable: the optimizer state sits in common.pt
+        optim = common.get("optimizer", {})
+        per = optim if all(isinstance(k, int) for k in optim) else {0: optim}
+        groups = {k: v["optimizer"] for k, v in per.items()}
+    return objects, [groups[k] for k in sorted(groups)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronWriter:
+    """Writes each rank's `.distcp` file (its tensor boxes; the copied ShardedObjects in the first file) and,
+    as the coordinator, DCP's `.metadata` (every chunk with its byte range), `common.pt` and `metadata.json`."""
+
+    def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role != "distcp":
+            raise PlanError(f"Megatron writer: unknown file role {file.role!r} for {file.path}")
+
+        def write(stream: Any) -> list[tuple[Any, ...]]:  # (fqn, box offsets | None, box sizes | None, start, n)
+            placed = []
+            for b in file.buffers:
+                start = stream.tell()
+                torch.save(buffers[b.key], stream)
+                placed.append((b.key[0], tuple(b.key[1:]), tuple(b.shape), start, stream.tell() - start))
+            objects = meta["objects"] if file.path == meta.get("objects_file", file.path) else []
+            for fqn, src_file, offset, length in objects:
+                with open(Path(meta["source_root"]) / src_file, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(length)
+                if len(data) != length:
+                    raise CheckpointFormatError(f"{meta['source_root']}/{src_file}: object {fqn} truncated")
+                start = stream.tell()
+                stream.write(data)
+                placed.append((fqn, None, None, start, length))
+            return placed
+
+        return StreamPayload(write=write)
+
+    def finalize(self, records: list[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
+        import pickle
+        import uuid
+
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                           MetadataIndex, StorageMeta, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        shapes = {k: (tuple(shape), dt) for k, shape, dt in meta["dcp_tensors"]}
+        sd_meta: dict[str, Any] = {}
+        storage = {}
+        for rec in records:
+            for fqn, offsets, sizes, start, length in rec.extra or ():
+                if offsets is not None:  # a tensor chunk: a box of the global tensor `fqn`
+                    shape, dt = shapes[fqn]
+                    tmd = sd_meta.setdefault(fqn, TensorStorageMetadata(
+                        properties=TensorProperties(dtype=getattr(torch, dt)), size=torch.Size(shape), chunks=[]))
+                    tmd.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+                    idx = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tmd.chunks) - 1)
+                else:
+                    sd_meta[fqn] = BytesStorageMetadata()
+                    idx = MetadataIndex(fqn=fqn)
+                storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
+        md = Metadata(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
+                      storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
+        common = dict(meta["common"])
+        per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in meta["optimizer_groups"]]
+        common["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
+        buf = io.BytesIO()
+        torch.save(common, buf)
+        backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}
+        return {".metadata": pickle.dumps(md), "common.pt": buf.getvalue(), "metadata.json": json.dumps(backend)}
+
+
+# ---------------------------------------------------------------- registration
+
+def _read(path: Path, opts: Any) -> CheckpointIndex:
+    return read_megatron(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.tp, expect_pp=opts.pp,
+                         expect_ep=opts.ep, expect_dp=opts.dp)
+
+
+def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
+    """Target layout: given sizes, else the source's (Megatron sources), else 1."""
+    def pick(given: int | None, name: str) -> int:
+        return given if given is not None else int(index.meta.get(name) or 1) if index.format == FORMAT else 1
+    return megatron_target(index, tp=pick(opts.tp, "tp"), pp=pick(opts.pp, "pp"), dp=pick(opts.dp, "dp"),
+                           ep=pick(opts.ep, "ep"))
+
+
+def _spec() -> Any:
+    from checkpoint.formats.base import CheckpointFormat
+
+    return CheckpointFormat(
+        name=FORMAT, description="Megatron-Core torch_dist (dp_/fully_reshardable DistributedOptimizer, any TP/PP/EP)",
+        detect=is_megatron_checkpoint, read=_read, target=_target, writer=MegatronWriter())
+
+
+SPEC = _spec()

@@ -1,0 +1,169 @@
+"""Megatron-Core torch_dist checkpoint metadata synthesized from the rules and a layout: planning at scale
+without files.
+
+`synthesize_metadata(arch, layout)` returns the DCP `Metadata` and `common.pt` state that Megatron-Core
+would write for a GPTModel trained at `layout` with the DistributedOptimizer (dp_reshardable), as
+`checkpoint.formats.megatron` reads them: model keys stacked over layers, one chunk per layer (and
+expert; fused GLU as a gate and an up run) per TP/PP/EP shard, spread over the shard's data-parallel
+ranks as Megatron's fully parallel save does; per (TP, PP[, EP]) domain and model chunk one flat bucket
+per optimizer state (params in reverse order, 64-aligned, padded to lcm(dp, 128)), each DP rank storing
+its contiguous range as one chunk (Megatron splits that range further at parameter boundaries; the bytes
+per file are the same). `synthetic_index` feeds it through the real reader; `plan_figures` condenses a
+conversion plan into the numbers a scale review needs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.formats.megatron import (bucket_layout, domain_params, index_from_metadata, layer_boxes,
+                                         owner_boxes, writer_ranks)
+from checkpoint.index import CheckpointIndex, dtype_size
+from checkpoint.layout import ParallelLayout
+from checkpoint.plan import ConversionPlan, rank_summaries
+from checkpoint.rules.megatron import RULES, ArchSpec, stacked_shape
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+class _Files:
+    """Byte offsets per rank file, as a DCP writer appends chunks."""
+
+    def __init__(self) -> None:
+        self.ends: dict[int, int] = defaultdict(int)
+
+    def place(self, rank: int, nbytes: int) -> tuple[str, int, int]:
+        start = self.ends[rank]
+        self.ends[rank] = start + nbytes
+        return f"__{rank}_0.distcp", start, nbytes
+
+
+def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16",
+                        iteration: int = 1) -> tuple[Any, dict[str, Any]]:
+    """(DCP Metadata, common state) of a dp_reshardable torch_dist checkpoint of `arch` at `layout`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    files = _Files()
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+
+    def add(fqn: str, shape: tuple[int, ...], dtype: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+            rank: int) -> None:
+        tmd = sd_meta.setdefault(fqn, TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape), chunks=[]))
+        tmd.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        path, start, length = files.place(rank, math.prod(sizes) * dtype_size(dtype))
+        storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tmd.chunks) - 1)] = _StorageInfo(
+            relative_path=path, offset=start, length=length)
+
+    moe = arch.num_experts > 0
+    for rule in RULES[arch.architecture].all():
+        shape = stacked_shape(rule, arch, layout.tp)
+        lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
+        for pp_rank in range(layout.pp):
+            for tp_rank in range(layout.tp):
+                for ep_rank in range(layout.ep if rule.scope == "expert" else 1):
+                    ranks = writer_ranks(layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank,
+                                          expert=rule.scope == "expert")
+                    boxes = owner_boxes(rule, arch, layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
+                    for i, (o, n) in enumerate(layer_boxes(boxes, lead)):
+                        add(rule.key, shape, model_dtype, o, n, ranks[i % len(ranks)])
+    gbuf_dtype = f"({_torch_name(model_dtype)}, torch.float32)"
+    chains = (0, 1) if moe else (0,)
+    for chain in chains:
+        experts = chain == 1
+        eps = layout.ep if experts else 1
+        for pp_rank in range(layout.pp):
+            for ep_rank in range(eps):
+                for tp_rank in range(layout.tp):
+                    d = pp_rank * layout.tp * eps + ep_rank * layout.tp + tp_rank
+                    ranks = writer_ranks(layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank, expert=experts)
+                    for g in range(layout.vpp):
+                        params = domain_params(arch, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=eps,
+                                               tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=g, ep_rank=ep_rank,
+                                               experts=experts)
+                        if not params:
+                            continue
+                        _, unpadded = bucket_layout(params)
+                        divisor = math.lcm(len(ranks), 128)
+                        local = math.ceil(unpadded / divisor) * divisor // len(ranks)
+                        prefix = f"chained_{chain}." if moe else ""
+                        for state in STATES:
+                            fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}.dtype_{gbuf_dtype}"
+                                   f".bucket_idx_0.{state}")
+                            for r, rank in enumerate(ranks):
+                                lo, hi = r * local, min((r + 1) * local, unpadded)
+                                if lo < hi:
+                                    add(fqn, (unpadded,), "float32", (lo,), (hi - lo,), rank)
+    md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+    group = {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": iteration,
+                               "params": []}]}
+    optim = {c: {"optimizer": group, "param_state_sharding_type": "dp_reshardable"} for c in chains}
+    common = {"iteration": iteration, "checkpoint_version": 3.0,
+              "migrate": {"model": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}},
+              "optimizer": optim if moe else optim[0]}
+    return md, common
+
+
+def _torch_name(dtype: str) -> str:
+    return f"torch.{dtype}"
+
+
+def synthetic_index(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16") -> CheckpointIndex:
+    """The index the Megatron reader builds for the synthesized checkpoint (root names the layout; no files)."""
+    md, common = synthesize_metadata(arch, layout, model_dtype=model_dtype)
+    root = Path(f"synthetic-{arch.architecture}-{layout.describe().replace('·', '-').replace(' ', '-')}")
+    return index_from_metadata(md, common, root)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanFigures:
+    """What a conversion plan costs per target rank (bytes are tensor bytes, without file headers)."""
+
+    source_files: int
+    target_files: int
+    target_ranks: int
+    copy_items: int
+    bytes_read: int
+    bytes_written: int
+    read_per_rank: tuple[int, int, int]  # min, median, max
+    written_per_rank: tuple[int, int, int]
+    largest_rank: int | None
+    largest_share: float  # the largest target rank's bytes written / all bytes written
+
+    def render(self) -> str:
+        gib = 1 << 30
+        rd, wr = (tuple(f"{v / gib:.2f}" for v in t) for t in (self.read_per_rank, self.written_per_rank))
+        return "\n".join([
+            f"files: {self.source_files} source -> {self.target_files} target ({self.target_ranks} target ranks), "
+            f"{self.copy_items} copy items",
+            f"bytes read {self.bytes_read / gib:.1f} GiB, written {self.bytes_written / gib:.1f} GiB",
+            f"per target rank read  GiB min/median/max: {' / '.join(rd)}",
+            f"per target rank write GiB min/median/max: {' / '.join(wr)}",
+            f"largest target rank: {self.largest_rank} writes {self.largest_share:.3%} of the bytes "
+            f"({self.written_per_rank[2] / gib:.2f} GiB)"])
+
+
+def plan_figures(plan: ConversionPlan) -> PlanFigures:
+    """Condense `plan` into per-target-rank read/write figures (pure)."""
+    ranks = rank_summaries(plan)
+    reads = sorted(r.bytes_read for r in ranks)
+    writes = sorted(r.bytes_written for r in ranks)
+    largest = max(ranks, key=lambda r: r.bytes_written)
+    total_w = sum(writes)
+    return PlanFigures(
+        source_files=len([f for f in plan.source.files if f.endswith(".distcp")]) or len(plan.source.files),
+        target_files=len(plan.target.files), target_ranks=len(ranks), copy_items=len(plan.items),
+        bytes_read=sum(reads), bytes_written=total_w,
+        read_per_rank=(reads[0], int(statistics.median(reads)), reads[-1]),
+        written_per_rank=(writes[0], int(statistics.median(writes)), writes[-1]),
+        largest_rank=largest.rank, largest_share=largest.bytes_written / total_w if total_w else 0.0)

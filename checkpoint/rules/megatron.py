@@ -1,0 +1,323 @@
+"""Megatron-Core GPTModel rules (gpt, llama, mixtral) as data, and the pure box arithmetic they drive.
+
+A Megatron-Core dist checkpoint stores each parameter under a *key* stacked over layers (and
+experts): e.g. `decoder.layers.self_attention.linear_qkv.weight` has global shape (L, R, C). A
+rule says, per key: its module parameter name, its scope (model / layer / expert), the tensor dim
+split over TP (or None: replicated), how its fused row dim splits into canonical tensors (QKV grouped
+per query group, GLU gate|up) and whether its rows are the (TP-padded) vocab. Canonical names are
+the HF-style names of `migrate/workload/torch_model.py` (`layers.{i}.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from checkpoint.errors import CheckpointFormatError
+
+Scope = Literal["model", "layer", "expert"]
+Fuse = Literal["none", "qkv", "glu"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ArchSpec:
+    """The numbers the rules need (mirrors the workload's ModelSpec without importing it)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    num_experts: int = 0
+    make_vocab_size_divisible_by: int = 1
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.architecture not in RULES:
+            raise CheckpointFormatError(f"architecture {self.architecture!r}: rules exist for {sorted(RULES)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise CheckpointFormatError(f"num_attention_heads({self.num_attention_heads}) is not a multiple of "
+                                        f"num_query_groups({self.num_query_groups})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron's rule: vocab padded to a multiple of make_vocab_size_divisible_by * tp."""
+        m = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / m) * m
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArchSpec":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorRule:
+    """One Megatron-Core checkpoint key. `tp_dim` indexes the per-layer (per-expert) tensor."""
+
+    key: str
+    param: str  # parameter name inside the layer / expert / model module (named_parameters order)
+    scope: Scope
+    canonical: str  # template with {layer}, {expert}, {part}
+    tp_dim: int | None = None
+    fuse: Fuse = "none"
+    vocab: bool = False
+    stage: Literal["first", "last", "all"] = "all"  # model scope: which pipeline stage holds it
+
+
+_LN = "decoder.layers.self_attention.linear_qkv.layer_norm_"
+_MLN = "decoder.layers.mlp.linear_fc1.layer_norm_"
+
+
+def _layer_rules(bias: bool, moe: bool) -> tuple[TensorRule, ...]:
+    norms = ("weight", "bias") if bias else ("weight",)
+    rules = [TensorRule(key=f"{_LN}{n}", param=f"input_layernorm.{n}", scope="layer",
+                        canonical=f"layers.{{layer}}.input_layernorm.{n}") for n in norms]
+    rules += [
+        TensorRule(key="decoder.layers.self_attention.linear_proj.weight", param="self_attention.linear_proj.weight",
+                   scope="layer", canonical="layers.{layer}.self_attn.o_proj.weight", tp_dim=1),
+        TensorRule(key="decoder.layers.self_attention.linear_qkv.weight", param="self_attention.linear_qkv.weight",
+                   scope="layer", canonical="layers.{layer}.self_attn.{part}_proj.weight", tp_dim=0, fuse="qkv"),
+    ]
+    rules += [TensorRule(key=f"{_MLN}{n}", param=f"pre_mlp_layernorm.{n}", scope="layer",
+                         canonical=f"layers.{{layer}}.post_attention_layernorm.{n}") for n in norms]
+    if moe:
+        rules += [
+            TensorRule(key="decoder.layers.mlp.router.weight", param="mlp.router.weight", scope="layer",
+                       canonical="layers.{layer}.mlp.gate.weight"),
+            TensorRule(key="decoder.layers.mlp.experts.experts.linear_fc1.weight", param="linear_fc1.weight",
+                       scope="expert", canonical="layers.{layer}.mlp.experts.{expert}.{part}_proj.weight",
+                       tp_dim=0, fuse="glu"),
+            TensorRule(key="decoder.layers.mlp.experts.experts.linear_fc2.weight", param="linear_fc2.weight",
+                       scope="expert", canonical="layers.{layer}.mlp.experts.{expert}.down_proj.weight", tp_dim=1),
+        ]
+    else:
+        rules += [
+            TensorRule(key="decoder.layers.mlp.linear_fc1.weight", param="mlp.linear_fc1.weight", scope="layer",
+                       canonical="layers.{layer}.mlp.{part}_proj.weight", tp_dim=0, fuse="glu" if not bias else "none"),
+            TensorRule(key="decoder.layers.mlp.linear_fc2.weight", param="mlp.linear_fc2.weight", scope="layer",
+                       canonical="layers.{layer}.mlp.down_proj.weight", tp_dim=1),
+        ]
+    return tuple(rules)
+
+
+def _model_rules(bias: bool) -> tuple[TensorRule, ...]:
+    norms = ("weight", "bias") if bias else ("weight",)
+    return (
+        TensorRule(key="embedding.word_embeddings.weight", param="embedding.word_embeddings.weight", scope="model",
+                   canonical="embed_tokens.weight", tp_dim=0, vocab=True, stage="first"),
+        *(TensorRule(key=f"decoder.final_layernorm.{n}", param=f"decoder.final_layernorm.{n}", scope="model",
+                     canonical=f"norm.{n}", stage="last") for n in norms),
+        TensorRule(key="output_layer.weight", param="output_layer.weight", scope="model", canonical="lm_head.weight",
+                   tp_dim=0, vocab=True, stage="last"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ArchRules:
+    """Rules of one architecture: model-scope rules and per-layer rules, in named_parameters order."""
+
+    name: str
+    layer: tuple[TensorRule, ...]
+    model: tuple[TensorRule, ...]
+
+    def all(self) -> tuple[TensorRule, ...]:
+        return (self.model[0], *self.layer, *self.model[1:])
+
+    def by_key(self) -> dict[str, TensorRule]:
+        return {r.key: r for r in self.all()}
+
+
+# gpt: LayerNorm (weight + bias), GELU FFN; llama: RMSNorm, SwiGLU; mixtral: llama attention + routed experts.
+RULES: dict[str, ArchRules] = {
+    "gpt": ArchRules(name="gpt", layer=_layer_rules(bias=True, moe=False), model=_model_rules(bias=True)),
+    "llama": ArchRules(name="llama", layer=_layer_rules(bias=False, moe=False), model=_model_rules(bias=False)),
+    "mixtral": ArchRules(name="mixtral", layer=_layer_rules(bias=False, moe=True), model=_model_rules(bias=False)),
+}
+
+
+# ---------------------------------------------------------------- shapes and segments (pure)
+
+@functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
+def matrix_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ...]:
+    """Global shape of one layer's (expert's) tensor, vocab padded for `tp`."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
+    table = {
+        "embedding.word_embeddings.weight": (arch.padded_vocab(tp), h),
+        "output_layer.weight": (arch.padded_vocab(tp), h),
+        "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * arch.head_dim),
+        "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
+        "decoder.layers.mlp.router.weight": (arch.num_experts, h),
+    }
+    if rule.key in table:
+        return table[rule.key]
+    if rule.key.endswith("linear_fc1.weight"):
+        return (2 * f if rule.fuse == "glu" else f, h)
+    if rule.key.endswith("linear_fc2.weight"):
+        return (h, f)
+    return (h,)  # norms
+
+
+def stacked_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ...]:
+    """Global shape under the checkpoint key: (L, [E,] *matrix) for layer/expert scope."""
+    lead = {"model": (), "layer": (arch.num_layers,), "expert": (arch.num_layers, arch.num_experts)}[rule.scope]
+    return (*lead, *matrix_shape(rule, arch, tp))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """Rows [start, start+length) of a fused tensor are rows [dst, dst+length) of canonical part `part`."""
+
+    part: str
+    start: int
+    length: int
+    dst: int
+
+
+@functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
+def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
+    """How the fused row dim (dim 0 of the matrix) splits into canonical tensors; vocab rows clipped."""
+    rows = matrix_shape(rule, arch)[0]
+    if rule.fuse == "qkv":
+        hd, per = arch.head_dim, arch.num_attention_heads // arch.num_query_groups
+        out, pos = [], 0
+        for g in range(arch.num_query_groups):
+            out += [Segment(part="q", start=pos, length=per * hd, dst=g * per * hd),
+                    Segment(part="k", start=pos + per * hd, length=hd, dst=g * hd),
+                    Segment(part="v", start=pos + (per + 1) * hd, length=hd, dst=g * hd)]
+            pos += (per + 2) * hd
+        return tuple(out)
+    if rule.fuse == "glu":
+        f = arch.ffn_hidden_size
+        return (Segment(part="gate", start=0, length=f, dst=0), Segment(part="up", start=f, length=f, dst=0))
+    if rule.vocab:
+        return (Segment(part="", start=0, length=arch.vocab_size, dst=0),)
+    part = "up" if rule.key.endswith("linear_fc1.weight") else ""
+    return (Segment(part=part, start=0, length=rows, dst=0),)
+
+
+@functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
+def canonical_shape(rule: TensorRule, arch: ArchSpec, seg: Segment) -> tuple[int, ...]:
+    m = matrix_shape(rule, arch)
+    if len(m) == 1:
+        return m
+    total = sum(s.length for s in segments(rule, arch) if s.part == seg.part)
+    return (total, *m[1:])
+
+
+def canonical_name(rule: TensorRule, seg: Segment, layer: int | None = None, expert: int | None = None) -> str:
+    return rule.canonical.format(layer=layer, expert=expert, part=seg.part)
+
+
+def canonical_tensors(arch: ArchSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Every canonical tensor name and shape of the model, in Megatron's rule order."""
+    out = []
+    rules = RULES[arch.architecture]
+    for rule in rules.all():
+        layers = range(arch.num_layers) if rule.scope != "model" else [None]
+        experts = range(arch.num_experts) if rule.scope == "expert" else [None]
+        seen = set()
+        for layer in layers:
+            for expert in experts:
+                for seg in segments(rule, arch):
+                    name = canonical_name(rule, seg, layer, expert)
+                    if name not in seen:
+                        seen.add(name)
+                        out.append((name, canonical_shape(rule, arch, seg)))
+    return out
+
+
+# ---------------------------------------------------------------- TP / PP / EP ownership (pure)
+
+def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tuple[tuple[int, int], ...]:
+    """Global row runs (start, length) of the matrix that TP rank `tp_rank` holds, in local order.
+
+    Column-parallel fused tensors keep their grouping per rank: QKV holds whole query groups, GLU
+    holds its slice of gate followed by its slice of up.
+    """
+    rows = matrix_shape(rule, arch, tp)[0]
+    if rule.tp_dim != 0 or tp == 1:
+        return ((0, rows),)
+    if rule.fuse == "glu":
+        f = arch.ffn_hidden_size
+        if f % tp:
+            raise CheckpointFormatError(f"{rule.key}: ffn_hidden_size({f}) is not divisible by tp({tp})")
+        n = f // tp
+        return ((tp_rank * n, n), (f + tp_rank * n, n))
+    if rule.fuse == "qkv" and arch.num_query_groups % tp:
+        raise CheckpointFormatError(f"{rule.key}: num_query_groups({arch.num_query_groups}) not divisible by tp({tp})")
+    if rows % tp:
+        raise CheckpointFormatError(f"{rule.key}: {rows} rows not divisible by tp({tp})")
+    n = rows // tp
+    return ((tp_rank * n, n),)
+
+
+def tp_local_cols(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tuple[int, int]:
+    """(start, length) of the columns TP rank `tp_rank` holds (all columns unless split on dim 1)."""
+    m = matrix_shape(rule, arch, tp)
+    cols = m[-1]
+    if rule.tp_dim != 1 or tp == 1 or len(m) == 1:
+        return (0, cols)
+    if cols % tp:
+        raise CheckpointFormatError(f"{rule.key}: {cols} columns not divisible by tp({tp})")
+    return (tp_rank * (cols // tp), cols // tp)
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, vp_stage: int) -> range:
+    """Global layers of virtual stage `vp_stage` on pipeline rank `pp_rank` (Megatron's even split)."""
+    if num_layers % (pp * vpp):
+        raise CheckpointFormatError(f"num_layers({num_layers}) is not divisible by pp({pp}) * vpp({vpp})")
+    per = num_layers // (pp * vpp)
+    start = vp_stage * (num_layers // vpp) + pp_rank * per
+    return range(start, start + per)
+
+
+def holds_model_tensor(rule: TensorRule, pp: int, vpp: int, pp_rank: int, vp_stage: int) -> bool:
+    """Embedding on the first (virtual) stage, final norm and output layer on the last."""
+    if rule.stage == "first":
+        return pp_rank == 0 and vp_stage == 0
+    if rule.stage == "last":
+        return pp_rank == pp - 1 and vp_stage == vpp - 1
+    return True
+
+
+def expert_range(num_experts: int, ep: int, ep_rank: int) -> range:
+    """Global expert indices held by EP rank `ep_rank` (local expert i is global ep_rank*E/ep + i)."""
+    if num_experts % ep:
+        raise CheckpointFormatError(f"num_experts({num_experts}) is not divisible by ep({ep})")
+    n = num_experts // ep
+    return range(ep_rank * n, ep_rank * n + n)
+
+
+# ---------------------------------------------------------------- box arithmetic (pure)
+
+def flat_run_boxes(lengths: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Split elements [lo, hi) of a row-major box of `lengths` into sub-boxes (offsets, lengths, first element)."""
+    if lo >= hi:
+        return []
+    if len(lengths) == 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = math.prod(lengths[1:])
+    out = []
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return [((first, *o), (1, *n), first * inner + s) for o, n, s in
+                flat_run_boxes(lengths[1:], lo - first * inner, hi - first * inner)]
+    if lo % inner:
+        out += [((first, *o), (1, *n), first * inner + s) for o, n, s in
+                flat_run_boxes(lengths[1:], lo - first * inner, inner)]
+        first += 1
+    full_end = hi // inner
+    if full_end > first:
+        out.append(((first, *(0,) * (len(lengths) - 1)), (full_end - first, *lengths[1:]), first * inner))
+    if hi % inner and full_end >= first:
+        out += [((full_end, *o), (1, *n), full_end * inner + s) for o, n, s in
+                flat_run_boxes(lengths[1:], 0, hi - full_end * inner)]
+    return out

@@ -1,0 +1,36 @@
+"""``migrate resume JOB.yaml [--steps K]``: train on from the converted checkpoint and compare with the baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+
+from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit, run_stages
+
+
+@click.command(help="Load the converted checkpoint at the target layout, run K steps, and compare losses, the "
+                    "consumed sample order and the RNG states with the baseline's own continuation from the same "
+                    "checkpoint. Needs the convert stage's result. Options override the job's stages.resume.")
+@job_argument
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="K: steps after the checkpoint (default 3)")
+@click.option("--fault", type=click.Choice(["shift_data", "reset_rng"]), default=None,
+              help="test hook: break a copy of the converted checkpoint's data position or RNG state")
+@click.option("--force", is_flag=True, help="run even if the inputs are unchanged")
+def command(job_file: Path, steps: int | None, fault: str | None, force: bool) -> None:
+    from pydantic import ValidationError
+
+    from migrate.stages.resume import ResumeOptions
+
+    job = load_or_exit(job_file)
+    current = job.stage_options.get("resume") or ResumeOptions()
+    updates = {k: v for k, v in {"steps": steps, "fault": fault}.items() if v is not None}
+    try:
+        options = ResumeOptions.model_validate({**current.model_dump(), **updates})
+    except ValidationError as exc:
+        click.echo(f"invalid resume options: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    job = dataclasses.replace(job, stage_options={**job.stage_options, "resume": options})
+    sys.exit(run_stages(job, ["resume"], force))

@@ -1,0 +1,250 @@
+"""Resume stage: the converted checkpoint trained on at the target layout, compared with the baseline.
+
+Call sequence: read the converted checkpoint's step (``convert``'s output) -> run the baseline's
+own continuation: K steps from the source checkpoint at the source layout -> run K steps from the
+converted checkpoint at the target layout (both on the job's worker group, via `rank_entry`) ->
+`compare_continuations` (pure): losses bit-identical at the same layout, within the fp32
+reduction-order tolerance at another; the dataset indices each step consumed equal the
+baseline's (checked on their own, not through the loss); every target rank starts from the RNG
+state the conversion report says it carries (for carried/replicated states: the baseline's rank
+with that role). Writes ``metrics.jsonl`` (the gate's candidate), ``baseline_metrics.jsonl`` and
+``resume.json`` (per-step differences, data-order and RNG checks, the conversion's state report).
+The ``fault`` option is a documented test hook: it copies the converted checkpoint and breaks its
+state (`checkpoint.state.faults`) so the checks can be seen to fail with the right reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from pydantic import Field
+
+from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+
+
+class ResumeOptions(StageOptions):
+    steps: int = Field(default=3, ge=1, description="K: optimizer steps run after the checkpoint on each side")
+    loss_rtol: float = Field(default=1e-5, ge=0, description="relative loss tolerance at a changed layout (fp32 reduction order)")
+    loss_atol: float = Field(default=1e-6, ge=0, description="absolute loss tolerance at a changed layout")
+    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
+    fault: Literal["shift_data", "reset_rng"] | None = Field(
+        default=None, description="test hook: break a copy of the converted checkpoint's data position or RNG state")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Continuation:
+    """K steps run from a checkpoint: rank 0's per-step records, the global batch each step consumed,
+    and every rank's RNG fingerprint at each step's start."""
+
+    layout: str
+    start_step: int
+    records: tuple[dict[str, Any], ...]
+    samples: tuple[tuple[int, ...], ...]
+    rng: tuple[tuple[str, ...], ...]  # [rank][step]
+
+    @classmethod
+    def from_results(cls, layout: str, results: Sequence[Any]) -> "Continuation":
+        main = results[0]
+        return cls(layout=layout, start_step=main.start_step, records=tuple(m.as_dict() for m in main.metrics),
+                   samples=tuple(tuple(s) for s in main.extra.get("samples", ())),
+                   rng=tuple(tuple(r.extra.get("rng", ())) for r in results))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeVerdict:
+    passed: bool
+    reasons: tuple[str, ...]
+    loss_diffs: tuple[float, ...]
+    max_loss_diff: float
+    data_order: str
+    rng: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _fmt(indices: Sequence[int], limit: int = 8) -> str:
+    head = ", ".join(str(i) for i in indices[:limit])
+    return f"[{head}{', ...' if len(indices) > limit else ''}]"
+
+
+def compare_continuations(target: Continuation, baseline: Continuation, *, same_layout: bool,
+                          rng_decisions: Sequence[Mapping[str, Any]], rtol: float, atol: float) -> ResumeVerdict:
+    """Judge the target's continuation against the baseline's; pure. Every failed check gives a reason."""
+    from checkpoint.state.data_position import first_difference
+
+    reasons: list[str] = []
+    if target.start_step != baseline.start_step:
+        reasons.append(f"target resumed at step {target.start_step} but the baseline at step {baseline.start_step}")
+    t_loss = [r["loss"] for r in target.records]
+    b_loss = [r["loss"] for r in baseline.records]
+    if len(t_loss) != len(b_loss):
+        reasons.append(f"target ran {len(t_loss)} step(s) after the checkpoint, the baseline {len(b_loss)}")
+    diffs = [abs(a - b) for a, b in zip(t_loss, b_loss)]
+    for i, (a, b, d) in enumerate(zip(t_loss, b_loss, diffs)):
+        step = target.start_step + i + 1
+        if same_layout and a != b:
+            reasons.append(f"loss differs at step {step} at the same layout (must be bit-identical): target {a!r} "
+                           f"baseline {b!r} (|diff| {d:.3g})")
+            break
+        if not same_layout and not d <= atol + rtol * abs(b):
+            reasons.append(f"loss differs beyond fp32 reduction tolerance at step {step}: target {a!r} baseline {b!r} "
+                           f"|diff| {d:.3g} > atol {atol:g} + rtol {rtol:g} * |baseline| = {atol + rtol * abs(b):.3g}")
+            break
+    first = first_difference(target.samples, baseline.samples)
+    if not target.samples:
+        data_order = "not recorded by the target run"
+        reasons.append("data order: the target run recorded no consumed sample indices")
+    elif first is None:
+        data_order = (f"identical: {len(target.samples)} global batches, {sum(len(s) for s in target.samples)} samples "
+                      "in the baseline's order (none repeated, none skipped)")
+    else:
+        step = target.start_step + first + 1
+        t = target.samples[first] if first < len(target.samples) else ()
+        b = baseline.samples[first] if first < len(baseline.samples) else ()
+        data_order = f"differs from step {step}"
+        reasons.append(f"data order differs from step {step}: target consumed {_fmt(t)} baseline {_fmt(b)}")
+    rng_problems = []
+    for d in rng_decisions:
+        rank = int(d["target_rank"])
+        got = target.rng[rank][0] if rank < len(target.rng) and target.rng[rank] else None
+        if d["policy"] in ("carry", "replicate"):
+            src = int(d["source_rank"])
+            want = baseline.rng[src][0] if src < len(baseline.rng) and baseline.rng[src] else None
+            origin = f"the baseline's rank {src} ({d['policy']})"
+        else:
+            want, origin = d["fingerprint"], f"the state derived by the conversion ({d['policy']})"
+        if got != want:
+            rng_problems.append(f"RNG state of rank {rank} at resumed step {target.start_step + 1} is not what the "
+                                f"checkpoint should carry: target {got} but {origin} has {want}")
+    if not rng_decisions:
+        rng = "not checked: the checkpoint's conversion report lists no per-rank RNG states"
+    elif rng_problems:
+        rng = f"{len(rng_problems)} of {len(rng_decisions)} rank(s) differ"
+        reasons += rng_problems
+    else:
+        policies = sorted({d["policy"] for d in rng_decisions})
+        rng = f"every rank ({len(rng_decisions)}) starts from the state it should ({', '.join(policies)})"
+    return ResumeVerdict(passed=not reasons, reasons=tuple(reasons), loss_diffs=tuple(diffs),
+                         max_loss_diff=max(diffs, default=float("nan")), data_order=data_order, rng=rng)
+
+
+def rng_decisions(state_report: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The per-rank RNG decisions of a conversion report (`state_report.json`)."""
+    return [{k: e[k] for k in ("target_rank", "source_rank", "fingerprint", "policy")}
+            for e in (state_report or {}).get("states", []) if "target_rank" in e]
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a checkpoint was saved at (from its metadata)."""
+    from checkpoint.api import read_index
+
+    meta = read_index(path).meta
+    for key in ("global_steps", "iteration", "step"):
+        if meta.get(key) is not None:
+            return int(meta[key])
+    state = meta.get("model_state", {})
+    if state.get("global_steps") is not None:
+        return int(state["global_steps"])
+    raise ValueError(f"{path}: no step counter in the checkpoint's metadata (keys {sorted(meta)})")
+
+
+def _searched_micro_batch(upstream: Mapping[str, Any]) -> int | None:
+    """The micro-batch size the search stage chose (its deepspeed.json next to target_layout.yaml), if any."""
+    search = upstream.get("search")
+    if search is None or "target_layout" not in search.outputs:
+        return None
+    config = Path(search.outputs["target_layout"]).with_name("deepspeed.json")
+    return int(json.loads(config.read_text())["train_micro_batch_size_per_gpu"]) if config.is_file() else None
+
+
+def _launch(ctx: StageContext, spec: Any, world_size: int, env: Mapping[str, str]) -> list[Any]:
+    from migrate.workload.engines import rank_entry
+
+    with ctx.worker_group(world_size=world_size, env=dict(env)) as group:
+        return group.run(rank_entry(spec.engine), spec)
+
+
+def run(ctx: StageContext) -> StageOutcome:
+    from checkpoint.state.faults import inject_fault
+    from checkpoint.state.training_state import STATE_REPORT_FILE
+    from migrate.stages._target import target_layout
+    from migrate.stages.convert import source_checkpoint
+    from migrate.workload.from_job import default_engine, run_spec, side_layout
+
+    options: ResumeOptions = ctx.options  # type: ignore[assignment]
+    job = ctx.job.spec
+    convert = ctx.upstream["convert"]
+    converted = Path(convert.outputs["checkpoint"])
+    if options.fault:
+        broken = ctx.work_dir / f"checkpoint_{options.fault}"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(converted, broken)
+        inject_fault(broken, options.fault)
+        converted = broken
+    source = source_checkpoint(ctx.job, ctx.upstream)
+    start = checkpoint_step(converted)
+    steps = start + options.steps
+    src_layout = side_layout(job, "baseline")
+    dst_layout, _ = target_layout(ctx.job, ctx.upstream)
+    dst_micro_batch = _searched_micro_batch(ctx.upstream) or job.training.micro_batch_size
+    env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for side, layout, load in (("baseline", src_layout, source), ("target", dst_layout, converted)):
+        engine = options.engine or default_engine(job, layout)
+        path = ctx.work_dir / ("metrics.jsonl" if side == "target" else "baseline_metrics.jsonl")
+        path.unlink(missing_ok=True)
+        spec = run_spec(job, layout, engine=engine, steps=steps, save_dir=None, load_dir=str(load), save_every=0,
+                        metrics_path=str(path))
+        if side == "target" and dst_micro_batch != spec.train.micro_batch_size:
+            spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, micro_batch_size=dst_micro_batch))
+        runs[side] = Continuation.from_results(layout.describe(), _launch(ctx, spec, layout.world_size, env))
+    report_path = converted / STATE_REPORT_FILE
+    state_report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    same = src_layout == dst_layout and dst_micro_batch == job.training.micro_batch_size
+    verdict = compare_continuations(runs["target"], runs["baseline"], same_layout=same,
+                                    rng_decisions=rng_decisions(state_report), rtol=options.loss_rtol,
+                                    atol=options.loss_atol)
+    per_step = [{"step": start + i + 1, "target_loss": t["loss"], "baseline_loss": b["loss"], "abs_diff": d}
+                for i, (t, b, d) in enumerate(zip(runs["target"].records, runs["baseline"].records, verdict.loss_diffs))]
+    for row in per_step:
+        ctx.log_metrics(row["step"], {"loss_abs_diff": row["abs_diff"]})
+    (ctx.work_dir / "resume.json").write_text(json.dumps({
+        "checkpoint": str(converted), "source_checkpoint": str(source), "start_step": start, "steps": options.steps,
+        "fault": options.fault, "per_step": per_step, "max_loss_diff": verdict.max_loss_diff,
+        "data_order": verdict.data_order, "rng": verdict.rng, "reasons": list(verdict.reasons),
+        "samples": {"target": runs["target"].samples, "baseline": runs["baseline"].samples},
+        "rng_fingerprints": {"target": runs["target"].rng, "baseline": runs["baseline"].rng},
+        "state_report": state_report}, indent=1))
+    metrics = {"start_step": start, "steps": len(per_step), "max_loss_diff": verdict.max_loss_diff,
+               "data_order_ok": int(verdict.data_order.startswith("identical")), "passed": int(verdict.passed)}
+    rows = "\n".join(f"| {r['step']} | {r['baseline_loss']:.9f} | {r['target_loss']:.9f} | {r['abs_diff']:.3g} |"
+                     for r in per_step)
+    summary = (f"Resumed the converted checkpoint (step {start}) at {dst_layout.describe()} (micro batch "
+               f"{dst_micro_batch}) for {len(per_step)} step(s) "
+               f"against the baseline's continuation at {src_layout.describe()}"
+               + (f" (fault injected: {options.fault})" if options.fault else "") + ".\n\n"
+               "| step | baseline loss | target loss | abs diff |\n|---|---|---|---|\n" + rows + "\n\n"
+               f"Data order: {verdict.data_order}.\n\nRNG: {verdict.rng}.\n")
+    if state_report:
+        summary += "\nState carried by the conversion:\n\n" + "\n".join(
+            f"- {e['state']}: {e['policy']} ({e['reason']})" for e in state_report["states"]) + "\n"
+    return StageOutcome(verdict="pass" if verdict.passed else "fail", metrics=metrics,
+                        outputs={"metrics": str(ctx.work_dir / "metrics.jsonl"),
+                                 "baseline_metrics": str(ctx.work_dir / "baseline_metrics.jsonl"),
+                                 "report": str(ctx.work_dir / "resume.json")},
+                        reasons=verdict.reasons, summary_md=summary)
+
+
+STAGE = StageDefinition(
+    name="resume",
+    description="train on from the converted checkpoint at the target layout; losses, data order and RNG vs the baseline",
+    run=run,
+    options=ResumeOptions,
+    depends_on=("convert",),
+    after=("train", "search"),
+    reads=("source", "target", "model", "training"),
+)
