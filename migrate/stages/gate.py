@@ -60,6 +60,16 @@ def _candidate_spec(ctx: StageContext, options: GateOptions) -> str:
     return str(path if path.is_absolute() else ctx.job.work_dir / path)
 
 
+def _baseline_from_runs(ctx: StageContext) -> list[str]:
+    """Without ``source.metrics``: the baseline's own continuation that the resume stage ran at the
+    source layout from the same checkpoint (the CPU demo makes its baseline this way)."""
+    resume = ctx.upstream.get("resume")
+    if resume is not None and "baseline_metrics" in resume.outputs:
+        return [str(Path(resume.outputs["baseline_metrics"]))]
+    raise ValueError("stages.gate: no baseline: list source.metrics in the job (the source run's metrics), "
+                     "or run the resume stage, which records the baseline's continuation")
+
+
 def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
     files = {}
     for entry in job.spec.source.metrics:
@@ -80,7 +90,7 @@ def run(ctx: StageContext) -> StageOutcome:
     specs = [spec_for(str(ctx.job.resolve(m.path)), m.format) for m in ctx.job.spec.source.metrics]
     specs += [_resolve_spec(ctx.job, s) for s in options.extra_baselines]
     if not specs:
-        raise ValueError("stages.gate: the job lists no source.metrics to use as the baseline")
+        specs = _baseline_from_runs(ctx)
     policy = tol.align.restart_policy
     baselines = [load_run(s, policy=policy) for s in specs]
     candidate = load_run(_candidate_spec(ctx, options), policy=policy)
@@ -103,7 +113,7 @@ STAGE = StageDefinition(
     description="loss and grad-norm of the target run against the baseline, calibrated tolerances, report",
     run=run,
     options=GateOptions,
-    depends_on=(),
+    after=("resume",),
     reads=("source", "training"),
     fingerprint=_fingerprint,
 )
