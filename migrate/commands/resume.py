@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from checkpoint.state.faults import FAULTS
 from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit, run_stages
 
 
@@ -16,8 +17,8 @@ from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit,
                     "checkpoint. Needs the convert stage's result. Options override the job's stages.resume.")
 @job_argument
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="K: steps after the checkpoint (default 3)")
-@click.option("--fault", type=click.Choice(["shift_data", "reset_rng"]), default=None,
-              help="test hook: break a copy of the converted checkpoint's data position or RNG state")
+@click.option("--fault", type=click.Choice(list(FAULTS)), default=None,
+              help="test hook: break a copy of the converted checkpoint (see checkpoint.state.faults)")
 @click.option("--force", is_flag=True, help="run even if the inputs are unchanged")
 def command(job_file: Path, steps: int | None, fault: str | None, force: bool) -> None:
     from pydantic import ValidationError

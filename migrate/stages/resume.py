@@ -32,8 +32,9 @@ class ResumeOptions(StageOptions):
     loss_rtol: float = Field(default=1e-5, ge=0, description="relative loss tolerance at a changed layout (fp32 reduction order)")
     loss_atol: float = Field(default=1e-6, ge=0, description="absolute loss tolerance at a changed layout")
     engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
-    fault: Literal["shift_data", "reset_rng"] | None = Field(
-        default=None, description="test hook: break a copy of the converted checkpoint's data position or RNG state")
+    fault: Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
+                   "scale_weights"] | None = Field(
+        default=None, description="test hook: break a copy of the converted checkpoint (checkpoint.state.faults)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
