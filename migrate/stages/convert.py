@@ -23,7 +23,7 @@ from migrate.stages._target import target_layout as resolve_target_layout
 
 
 class ConvertOptions(StageOptions):
-    to_format: str = Field(default="deepspeed", description="target format")
+    to_format: str | None = Field(default=None, description="target format; default: the source's")
     dp: int | None = Field(default=None, ge=1, description="target dp size; default: target.layout, else the source's")
     zero_stage: int | None = Field(default=None, ge=1, le=3, description="target ZeRO stage; default as dp")
     workers: int = Field(default=1, ge=1, description="local processes writing target files")
@@ -51,7 +51,7 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> StageOutcome:
-    from checkpoint.api import convert, read_index
+    from checkpoint.api import convert, detect_format, read_index
     from checkpoint.execute import local_map
     from checkpoint.plan import rank_summaries, summarize
     from checkpoint.verify import compare_indexes
@@ -75,9 +75,12 @@ def run(ctx: StageContext) -> StageOutcome:
 
             stack.enter_context(connect(ray_address))
             map_fn = ray_map(max_in_flight=options.workers)
-        outcome = convert(src, dest, to=options.to_format, dp=dp, zero_stage=stage, map_fn=map_fn,
+        to_format = options.to_format or detect_format(src)
+        outcome = convert(src, dest, to=to_format, dp=dp, zero_stage=stage, tp=target_layout.tp,
+                          pp=target_layout.pp, ep=target_layout.ep, map_fn=map_fn,
                           trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
-                          expect_stage=source_layout.zero_stage or None)
+                          expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
+                          expect_pp=source_layout.pp, expect_ep=source_layout.ep)
     result = outcome.result
     problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
     plan_text = summarize(outcome.plan)
@@ -90,7 +93,7 @@ def run(ctx: StageContext) -> StageOutcome:
                "target_dp": outcome.plan.target.index.meta.get("dp"),
                "target_zero_stage": outcome.plan.target.index.meta.get("stage")}
     ctx.log_metrics(0, metrics)
-    summary = (f"Converted `{src}` to {options.to_format} dp={metrics['target_dp']} "
+    summary = (f"Converted `{src}` to {to_format} dp={metrics['target_dp']} "
                f"ZeRO-{metrics['target_zero_stage']}: {metrics['files']} files, {result.nbytes / 2**20:.2f} MiB in "
                f"{result.seconds:.2f} s; verification: "
                + ("every tensor equals the source" if options.verify and not problems else
