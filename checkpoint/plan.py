@@ -8,6 +8,7 @@ consumes and `summarize` prints.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any
 
 from checkpoint.errors import PlanError
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_size
-from checkpoint.overlap import box_overlap, global_flat_range, range_overlap
+from checkpoint.overlap import box_as_flat_range, box_overlap, global_flat_range, range_overlap
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +131,22 @@ def _overlap(entry: TensorEntry, src: ChunkRef, dst: ChunkRef) -> tuple[tuple[in
     return (src.storage_offset + ov[0] - s[0], dst.storage_offset + ov[0] - d[0], n), None, n
 
 
+def contiguous_parts(chunk: ChunkRef, shape: tuple[int, ...]) -> tuple[ChunkRef, ...]:
+    """A box chunk that is not contiguous in the global `shape` (e.g. a column slice of a row-parallel
+    weight) as its row-major contiguous runs: same file and key, storage offsets advanced. Flat-sharded
+    and contiguous chunks come back unchanged. Lets a box meet a flat (ZeRO) chunk, row by row."""
+    if chunk.flat_range is not None or box_as_flat_range(chunk.offsets, chunk.lengths, shape) is not None:
+        return (chunk,)
+    j = max(d for d in range(len(shape)) if chunk.lengths[d] != shape[d])
+    run = math.prod(chunk.lengths[j:])
+    out = []
+    for k, idx in enumerate(itertools.product(*(range(n) for n in chunk.lengths[:j]))):
+        out.append(ChunkRef(file=chunk.file, key=chunk.key,
+                            offsets=(*(o + i for o, i in zip(chunk.offsets, idx)), *chunk.offsets[j:]),
+                            lengths=(*(1,) * j, *chunk.lengths[j:]), storage_offset=chunk.storage_offset + k * run))
+    return tuple(out)
+
+
 def make_plan(source: CheckpointIndex, target: TargetSpec) -> ConversionPlan:
     """Match every target chunk with the source chunks that overlap it; raise PlanError on any gap.
 
@@ -150,12 +167,18 @@ def make_plan(source: CheckpointIndex, target: TargetSpec) -> ConversionPlan:
             if dst.file not in target_files:
                 raise PlanError(f"{entry.key}: target chunk in {dst.file}, which the writer does not produce")
             covered = 0
-            for src in src_entry.chunks:
-                flat, narrows, n = _overlap(entry, src, dst)
-                if n:
-                    items.append(CopyItem(tensor=entry.key, src=src, dst=dst, flat=flat, narrows=narrows,
-                                          numel=n, cast=cast))
-                    covered += n
+            dst_parts: tuple[ChunkRef, ...] | None = None  # dst split into contiguous runs, when a flat chunk meets it
+            for src_chunk in src_entry.chunks:
+                mixed = (src_chunk.flat_range is None) != (dst.flat_range is None)
+                if mixed and dst_parts is None:
+                    dst_parts = contiguous_parts(dst, entry.shape)
+                for src in (contiguous_parts(src_chunk, entry.shape) if mixed else (src_chunk,)):
+                    for dst_part in (dst_parts if mixed else (dst,)):
+                        flat, narrows, n = _overlap(entry, src, dst_part)
+                        if n:
+                            items.append(CopyItem(tensor=entry.key, src=src, dst=dst_part, flat=flat,
+                                                  narrows=narrows, numel=n, cast=cast))
+                            covered += n
             if covered != dst.numel:
                 raise PlanError(f"{entry.key}: target chunk in {dst.file} (box {dst.offsets}+{dst.lengths}, "
                                 f"flat {dst.flat_range}) needs {dst.numel} elements, the source covers {covered}")

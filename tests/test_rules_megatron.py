@@ -110,3 +110,15 @@ def test_flat_runs_cover_each_element_once(lengths, data):
         assert torch.equal(vals, torch.arange(first, first + vals.numel()))  # contiguous run starting at `first`
         seen[vals] += 1
     assert seen[lo:hi].eq(1).all() and seen.sum() == hi - lo
+
+
+def test_tied_embeddings_are_refused_by_name():
+    """The rules model separate input/output embeddings; a tied model is refused, naming the field."""
+    from checkpoint.errors import CheckpointFormatError
+    from checkpoint.formats.megatron_synth import synthetic_index
+    from checkpoint.layout import ParallelLayout
+
+    tied = ArchSpec(architecture="llama", num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                    num_query_groups=1, vocab_size=50, tied_embeddings=True)
+    with pytest.raises(CheckpointFormatError, match="tied_embeddings=True"):
+        synthetic_index(tied, ParallelLayout(tp=1))

@@ -16,11 +16,14 @@ __all__ = ["deepspeed_checkpoint", "megatron_checkpoint", "fsdp_checkpoint", "wo
 
 
 @pytest.fixture(scope="session")
-def workload_extensions_dir(tmp_path_factory):
-    """One TORCH_EXTENSIONS_DIR per session: DeepSpeed's shm op compiles once (~30 s)."""
+def workload_extensions_dir():
+    """The TORCH_EXTENSIONS_DIR every rank uses: torch's own per-user cache unless the environment
+    names one, so DeepSpeed's shm op compiles once per machine (~30 s), not once per test session."""
     import os
 
-    path = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
     os.environ["TORCH_EXTENSIONS_DIR"] = path
     return path
 
@@ -41,15 +44,17 @@ def deepspeed_checkpoint(tmp_path_factory, workload_extensions_dir):
 
 @pytest.fixture(scope="session")
 def megatron_checkpoint(tmp_path_factory):
-    """`get(tp, pp, dp, ep=1, moe=False, steps=2)` -> TrainedCheckpoint of a torch_dist checkpoint
-    with the distributed optimizer state."""
+    """`get(tp, pp, dp, ep=1, moe=False, steps=2, global_batch_size=8)` -> TrainedCheckpoint of a
+    torch_dist checkpoint with the distributed optimizer state."""
     cache: dict[tuple, TrainedCheckpoint] = {}
 
-    def get(tp: int, pp: int, dp: int, ep: int = 1, moe: bool = False, steps: int = 2) -> TrainedCheckpoint:
-        key = (tp, pp, dp, ep, moe, steps)
+    def get(tp: int, pp: int, dp: int, ep: int = 1, moe: bool = False, steps: int = 2,
+            global_batch_size: int = 8) -> TrainedCheckpoint:
+        key = (tp, pp, dp, ep, moe, steps, global_batch_size)
         if key not in cache:
             directory = tmp_path_factory.mktemp(f"mcore_tp{tp}_pp{pp}_dp{dp}_ep{ep}")
-            cache[key] = fixtures.make_megatron_checkpoint(directory, tp=tp, pp=pp, dp=dp, ep=ep, moe=moe, steps=steps)
+            cache[key] = fixtures.make_megatron_checkpoint(directory, tp=tp, pp=pp, dp=dp, ep=ep, moe=moe, steps=steps,
+                                                           global_batch_size=global_batch_size)
         return cache[key]
 
     return get

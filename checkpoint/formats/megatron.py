@@ -9,7 +9,10 @@ the keys of `checkpoint.rules.megatron`; the DistributedOptimizer state is eithe
   bucket_idx_{b}.{param|exp_avg|exp_avg_sq}`, params in reverse named_parameters order, each start
   padded to 64 elements (Megatron-Core's `_ParamAndGradBuffer`), or
 * fully_reshardable (what the writer emits): `[chained_{c}.]optimizer.state.{param|exp_avg|exp_avg_sq}.<model key>`
-  with the model tensor's global shape, loadable by Megatron-Core at any TP/PP/EP/DP.
+  with the model tensor's global shape, loadable by Megatron-Core at any TP/PP/EP/DP (`chained_` only under
+  expert parallelism, where Megatron-Core gives the experts their own optimizer). The writer lays the
+  chunks out for a target layout: each (TP, PP, EP) shard, one box per layer/expert, goes to one of its
+  data-parallel ranks (balanced by bytes), rank r writing `__{r}_0.distcp`; common.pt records the layout.
 Chunks point into DCP blobs with key `(BYTE_RANGE, byte offset, byte length)`; the index is canonical
 (HF-style names, QKV and GLU unfused, vocab padding dropped), so any layout maps onto any other.
 """
@@ -35,15 +38,17 @@ from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.state.training_state import CLIENT_STATE_KEY
 from checkpoint.rules.megatron import (RULES, ArchSpec, TensorRule, canonical_name, canonical_tensors, expert_range,
-                                       flat_run_boxes, holds_model_tensor, matrix_shape, segments, stacked_shape,
-                                       stage_layers, tp_local_cols, tp_local_rows)
+                                       flat_run_boxes, hf_order, holds_model_tensor, matrix_shape, segments,
+                                       stacked_shape, stage_layers, tp_local_cols, tp_local_rows)
 
 FORMAT = "megatron"
 STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
 _DPR_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                      r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 _FR_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
+_RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PARAM_ALIGN = 64  # Megatron-Core pads each param start in a grad buffer to 64 elements
 
 
@@ -153,7 +158,11 @@ class LocalParam:
 
 def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
                   vp_stage: int, ep_rank: int, experts: bool) -> list[LocalParam]:
-    """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order."""
+    """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order.
+
+    Under expert parallelism (ep > 1) the experts have their own buffer (`experts=True`); at ep 1
+    Megatron-Core keeps them in the dense buffer, after the router: per expert, fc1 then fc2."""
+    inline = not experts and ep == 1 and arch.num_experts > 0
     rules = RULES[arch.architecture]
     out: list[LocalParam] = []
 
@@ -172,6 +181,10 @@ def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_ran
                 if experts:
                     for e in expert_range(arch.num_experts, ep, ep_rank):
                         add(rule, layer, e)
+                elif inline and rule is next(r for r in rules.layer if r.scope == "expert"):
+                    for e in range(arch.num_experts):
+                        for expert_rule in (r for r in rules.layer if r.scope == "expert"):
+                            add(expert_rule, layer, e)
             elif not experts:
                 add(rule, layer, None)
     if experts:  # experts are named mlp.experts.local_experts.{i}.linear_fc{1,2}: per expert, fc1 then fc2
@@ -219,7 +232,16 @@ def _arch_from_common(common: Mapping[str, Any], root: Path) -> ArchSpec:
     if not isinstance(model, Mapping):
         raise CheckpointFormatError(f"{root / 'common.pt'}: no migrate.model (architecture) entry; the converter "
                                     f"needs the model spec that the migrate Megatron engine saves")
-    return ArchSpec.from_dict(dict(model))
+    return _untied(ArchSpec.from_dict(dict(model)), str(root / "common.pt"))
+
+
+def _untied(arch: ArchSpec, where: str) -> ArchSpec:
+    """The rules describe separate input and output embeddings; refuse tied ones by name (Megatron stores
+    the last stage's copy under the embedding key and may bucket it apart, which the rules do not model)."""
+    if arch.tied_embeddings:
+        raise CheckpointFormatError(f"{where}: tied input/output embeddings (tied_embeddings=True) are not covered "
+                                    f"by the Megatron rules; convert a model with separate embeddings")
+    return arch
 
 
 def _storage(md: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
@@ -262,7 +284,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     rules = RULES[arch.architecture].by_key()
     tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
     out_rows = tensors["output_layer.weight"].size[0] if "output_layer.weight" in tensors else arch.padded_vocab(1)
-    layout = _infer_layout(tensors, arch)
+    layout = _infer_layout(tensors, storage, common)
     for name, want, got in (("tp", expect_tp, layout["tp"]), ("pp", expect_pp, layout["pp"]),
                             ("ep", expect_ep, layout["ep"]), ("dp", expect_dp, layout["dp"])):
         if want is not None and got is not None and want != got:
@@ -311,7 +333,8 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout,
             "sharding": sharding, "common": _common_meta(common),
             "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
-            "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype)}
+            "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype),
+            "train_state": _train_state(arch, common, groups)}
     files = tuple(sorted({info.relative_path for info in storage.values()} | {"common.pt", "metadata.json", ".metadata"}))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=meta)
 
@@ -326,8 +349,13 @@ def _dedupe_check(entries: list[TensorEntry], root: Path) -> None:
         e.check_complete()
 
 
-def _infer_layout(tensors: Mapping[str, Any], arch: ArchSpec) -> dict[str, Any]:
-    """tp from the vocab split of the output layer, pp/vpp/ep/dp from the optimizer domains (None if unknown)."""
+def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout the converter wrote into `common.pt` (migrate.layout), else: tp from the vocab split of the
+    output layer, pp/vpp/ep from the optimizer domains, dp from the number of rank files (None if unknown)."""
+    declared = (common.get("migrate") or {}).get("layout")
+    if isinstance(declared, Mapping):
+        return {k: int(declared[k]) for k in ("tp", "pp", "vpp", "ep", "dp")}
+    ranks = {m.group(1) for info in storage.values() if (m := _RANK_FILE_RE.match(info.relative_path))}
     out = tensors.get("output_layer.weight") or tensors["embedding.word_embeddings.weight"]
     tp = len({tuple(c.offsets) for c in out.chunks})
     dense, expert, gbufs, dp = set(), set(), set(), None
@@ -337,6 +365,8 @@ def _infer_layout(tensors: Mapping[str, Any], arch: ArchSpec) -> dict[str, Any]:
             gbufs.add(int(m.group(3)))
     pp = len(dense) // tp if dense else None
     ep = len(expert) // (tp * pp) if expert and pp else (1 if dense else None)
+    if pp and ranks and len(ranks) % (tp * pp) == 0:
+        dp = len(ranks) // (tp * pp)
     return {"tp": tp, "pp": pp, "vpp": len(gbufs) or None, "ep": ep, "dp": dp}
 
 
@@ -377,6 +407,23 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
         yield key, kind, dtype_name(tmd.properties.dtype), out
 
 
+def _train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any]) -> dict[str, Any]:
+    """The canonical training state other formats' writers start from: step, LR schedule position (the
+    built-in engines' `ScheduledLR` state), the client state of the built-in workloads (sampler, step),
+    params in the HF module order as one group with the first Megatron group's hyper-parameters
+    (Megatron's no-decay group for norms/biases differs only in wd_mult)."""
+    ours = dict(common.get("migrate") or {})
+    step = ours.get("step", common.get("iteration"))
+    hparams = []
+    if groups and isinstance(groups[0], Mapping) and groups[0].get("param_groups"):
+        first = dict(groups[0]["param_groups"][0])
+        hparams = [{k: v for k, v in first.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")}]
+    client = {k: v for k, v in ours.items() if k not in ("model", "layout")}
+    return {"step": step, "lr_scheduler": None if step is None else {"last_step": int(step)},
+            "client": {CLIENT_STATE_KEY: client} if client else {}, "param_names": hf_order(arch),
+            "optimizer_param_groups": hparams, "optimizer_group_params": [hf_order(arch)]}
+
+
 def _common_meta(common: Mapping[str, Any]) -> dict[str, Any]:
     """Plain non-tensor common state carried to the target (iteration, ours, optimizer param groups)."""
     return {k: v for k, v in common.items() if k != "optimizer"}
@@ -413,20 +460,6 @@ def owner_boxes(rule: TensorRule, arch: ArchSpec, layout: ParallelLayout, *, tp_
     return [((*lo, *mo), (*ln, *mn)) for lo, ln in leads for mo, mn in mats]
 
 
-def split_box(offsets: tuple[int, ...], lengths: tuple[int, ...], parts: int,
-              vector: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a box into at most `parts` near-equal boxes along its longest dim (a matrix keeps its
-    columns whole, so fused rows stay contiguous per canonical tensor)."""
-    dims = range(len(lengths)) if vector else range(len(lengths) - 1)
-    d = max(dims, key=lambda i: (lengths[i], -i))
-    k = max(1, min(parts, lengths[d]))
-    out = []
-    for i in range(k):
-        lo, hi = lengths[d] * i // k, lengths[d] * (i + 1) // k
-        out.append(((*offsets[:d], offsets[d] + lo, *offsets[d + 1:]), (*lengths[:d], hi - lo, *lengths[d + 1:])))
-    return out
-
-
 def layer_boxes(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], lead: int):
     """Split boxes of a stacked key into one box per layer (and expert), as Megatron stores them;
     `lead` is the number of leading stacked dims (0 model, 1 layer, 2 expert)."""
@@ -450,8 +483,9 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                     vpp: int = 1) -> TargetSpec:
     """The source's state as a fully-reshardable torch_dist checkpoint, written by the ranks of the target
     layout: every (tp, pp, ep) shard of each model key and of each optimizer state is split over its
-    data-parallel ranks (one box per layer/expert, balanced by bytes; model-scope tensors split by rows), and
-    rank r writes its boxes to `__{r}_0.distcp` (DCP chunks of the global tensors).
+    data-parallel ranks (one box per layer/expert and per TP shard of the embedding/output layer, balanced by
+    bytes), and rank r writes its boxes to `__{r}_0.distcp` (DCP chunks of the global tensors); common.pt
+    records the layout (migrate.layout).
     Megatron-Core loads it at any TP/PP/EP/DP; `tp` picks the vocab padding. Raises PlanError when the
     source lacks the architecture or the optimizer state, CheckpointFormatError when the layout does not
     fit the model (e.g. query groups not divisible by tp)."""
@@ -459,7 +493,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     if "arch" not in m:
         raise PlanError(f"source {source.root} ({source.format}) lacks the architecture (meta 'arch'): convert "
                         f"from a Megatron checkpoint or give the model spec")
-    arch = ArchSpec.from_dict(dict(m["arch"]))
+    arch = _untied(ArchSpec.from_dict(dict(m["arch"])), f"source {source.root}")
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
     src = source.by_key()
     kinds = [Kind.PARAM] + [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
@@ -470,6 +504,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     if m.get("optimizer_groups") is None or "common" not in m:
         raise PlanError(f"source {source.root} ({source.format}) lacks Megatron optimizer param groups / common state")
     moe = arch.num_experts > 0
+    chained = moe and ep > 1  # Megatron-Core chains an expert optimizer only under expert parallelism
     if ep > 1 and not moe:
         raise PlanError(f"target ep={ep} but the {arch.architecture} model has no experts")
     dtype = m.get("model_dtype", "float32")
@@ -477,9 +512,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     dcp_tensors = []
     for rule in RULES[arch.architecture].all():
         shape = stacked_shape(rule, arch, tp)
-        vector = len(matrix_shape(rule, arch, tp)) == 1
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
-        keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, moe),
+        keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, chained),
                  dtype if kind is Kind.PARAM else "float32") for kind in kinds]
         dcp_tensors += [[dkey, list(shape), dt] for _, dkey, dt in keys]
         for pp_rank in range(pp):
@@ -488,8 +522,6 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                     ranks = tuple(writer_ranks(layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank,
                                                expert=rule.scope == "expert"))
                     boxes = owner_boxes(rule, arch, layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
-                    if lead == 0:  # a model-scope tensor (embedding, output layer): rows over its DP ranks
-                        boxes = [b for o, n in boxes for b in split_box(o, n, len(ranks), vector)]
                     for o, n in layer_boxes(boxes, lead):
                         for kind, dkey, dt in keys:
                             work.append((math.prod(n) * dtype_size(dt), len(work), ranks, rule, kind, dkey, o, n))
@@ -513,15 +545,31 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
         out.append(TensorEntry(key=key, shape=shapes[key.name], dtype=dt, chunks=tuple(chunks)))
     files = tuple(TargetFile(path=f"__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
                   for r in sorted(per_rank))
-    meta = {**m, "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
+    meta = {**m, "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
+            "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
     return TargetSpec(index=index, files=files)
 
 
-def _state_key(kind: Kind, rule: TensorRule, moe: bool) -> str:
+def target_optimizer_groups(groups: list[Any], *, chained: bool) -> list[Any]:
+    """The optimizer param groups Megatron-Core builds at the target: one optimizer (dense groups) unless
+    expert parallel (ep > 1) chains a second one for the experts. An expert group missing in the source
+    (ep 1) is the dense weight-decay group marked expert parallel."""
+    all_pg = [dict(pg) for g in groups for pg in g["param_groups"]]
+    dense = [pg for pg in all_pg if not pg.get("is_expert_parallel")]
+    expert = [pg for pg in all_pg if pg.get("is_expert_parallel")]
+    if not chained:
+        return [{**groups[0], "param_groups": dense}]
+    if not expert:
+        decay = next((pg for pg in dense if pg.get("wd_mult", 1.0) == 1.0), dense[0])
+        expert = [{**decay, "is_expert_parallel": True}]
+    return [{**groups[0], "param_groups": dense}, {**groups[-1], "param_groups": expert}]
+
+
+def _state_key(kind: Kind, rule: TensorRule, chained: bool) -> str:
     name = {Kind.MASTER: "param", Kind.EXP_AVG: "exp_avg", Kind.EXP_AVG_SQ: "exp_avg_sq"}[kind]
-    prefix = f"chained_{1 if rule.scope == 'expert' else 0}." if moe else ""
+    prefix = f"chained_{1 if rule.scope == 'expert' else 0}." if chained else ""
     return f"{prefix}optimizer.state.{name}.{rule.key}"
 
 
@@ -607,6 +655,7 @@ class MegatronWriter:
         md = Metadata(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
         common = dict(meta["common"])
+        common["migrate"] = {**dict(common.get("migrate") or {}), "layout": meta["target_layout"]}
         per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in meta["optimizer_groups"]]
         common["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
         buf = io.BytesIO()

@@ -77,8 +77,9 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                     boxes = owner_boxes(rule, arch, layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
                     for i, (o, n) in enumerate(layer_boxes(boxes, lead)):
                         add(rule.key, shape, model_dtype, o, n, ranks[i % len(ranks)])
-    gbuf_dtype = f"({_torch_name(model_dtype)}, torch.float32)"
-    chains = (0, 1) if moe else (0,)
+    gbuf_dtype = f"(torch.{model_dtype}, torch.float32)"  # (param dtype, grad dtype) of the grad buffer
+    chained = moe and layout.ep > 1  # experts get their own optimizer only under expert parallelism
+    chains = (0, 1) if chained else (0,)
     for chain in chains:
         experts = chain == 1
         eps = layout.ep if experts else 1
@@ -88,7 +89,7 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                     d = pp_rank * layout.tp * eps + ep_rank * layout.tp + tp_rank
                     ranks = writer_ranks(layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank, expert=experts)
                     for g in range(layout.vpp):
-                        params = domain_params(arch, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=eps,
+                        params = domain_params(arch, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep,
                                                tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=g, ep_rank=ep_rank,
                                                experts=experts)
                         if not params:
@@ -96,7 +97,7 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                         _, unpadded = bucket_layout(params)
                         divisor = math.lcm(len(ranks), 128)
                         local = math.ceil(unpadded / divisor) * divisor // len(ranks)
-                        prefix = f"chained_{chain}." if moe else ""
+                        prefix = f"chained_{chain}." if chained else ""
                         for state in STATES:
                             fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}.dtype_{gbuf_dtype}"
                                    f".bucket_idx_0.{state}")
@@ -105,17 +106,14 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                                 if lo < hi:
                                     add(fqn, (unpadded,), "float32", (lo,), (hi - lo,), rank)
     md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+    # hyper-parameters are not in the layout; planning does not read them (typical Llama pre-training values)
     group = {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": iteration,
                                "params": []}]}
     optim = {c: {"optimizer": group, "param_state_sharding_type": "dp_reshardable"} for c in chains}
     common = {"iteration": iteration, "checkpoint_version": 3.0,
               "migrate": {"model": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}},
-              "optimizer": optim if moe else optim[0]}
+              "optimizer": optim if chained else optim[0]}
     return md, common
-
-
-def _torch_name(dtype: str) -> str:
-    return f"torch.{dtype}"
 
 
 def synthetic_index(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16") -> CheckpointIndex:
@@ -139,6 +137,8 @@ class PlanFigures:
     written_per_rank: tuple[int, int, int]
     largest_rank: int | None
     largest_share: float  # the largest target rank's bytes written / all bytes written
+    max_source_files_per_rank: int  # source files one target rank reads from, at most
+    max_target_files_per_rank: int
 
     def render(self) -> str:
         gib = 1 << 30
@@ -148,7 +148,8 @@ class PlanFigures:
             f"{self.copy_items} copy items",
             f"bytes read {self.bytes_read / gib:.1f} GiB, written {self.bytes_written / gib:.1f} GiB",
             f"per target rank read  GiB min/median/max: {' / '.join(rd)}",
-            f"per target rank write GiB min/median/max: {' / '.join(wr)}",
+            f"per target rank write GiB min/median/max: {' / '.join(wr)}; at most {self.max_target_files_per_rank} "
+            f"file(s) written and {self.max_source_files_per_rank} source files read per target rank",
             f"largest target rank: {self.largest_rank} writes {self.largest_share:.3%} of the bytes "
             f"({self.written_per_rank[2] / gib:.2f} GiB)"])
 
@@ -156,6 +157,10 @@ class PlanFigures:
 def plan_figures(plan: ConversionPlan) -> PlanFigures:
     """Condense `plan` into per-target-rank read/write figures (pure)."""
     ranks = rank_summaries(plan)
+    src_files: dict[int | None, set[str]] = defaultdict(set)
+    rank_of_file = {f.path: f.rank for f in plan.target.files}
+    for it in plan.items:
+        src_files[rank_of_file[it.dst.file]].add(it.src.file)
     reads = sorted(r.bytes_read for r in ranks)
     writes = sorted(r.bytes_written for r in ranks)
     largest = max(ranks, key=lambda r: r.bytes_written)
@@ -166,4 +171,6 @@ def plan_figures(plan: ConversionPlan) -> PlanFigures:
         bytes_read=sum(reads), bytes_written=total_w,
         read_per_rank=(reads[0], int(statistics.median(reads)), reads[-1]),
         written_per_rank=(writes[0], int(statistics.median(writes)), writes[-1]),
-        largest_rank=largest.rank, largest_share=largest.bytes_written / total_w if total_w else 0.0)
+        largest_rank=largest.rank, largest_share=largest.bytes_written / total_w if total_w else 0.0,
+        max_source_files_per_rank=max((len(v) for v in src_files.values()), default=0),
+        max_target_files_per_rank=max((len(r.files) for r in ranks), default=0))

@@ -234,6 +234,29 @@ def canonical_tensors(arch: ArchSpec) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def hf_order(arch: ArchSpec) -> list[str]:
+    """Canonical names in the HF module order (`named_parameters()` of the plain torch model): embedding,
+    then per layer input norm, q, k, v, o, post-attention norm, MLP (router, then per expert gate, up,
+    down), then final norm and LM head. Frameworks that flatten parameters (DeepSpeed ZeRO) use this order."""
+    known = dict(canonical_tensors(arch))
+    norms = ("weight", "bias") if arch.architecture == "gpt" else ("weight",)
+    mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    if arch.num_experts:
+        mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(arch.num_experts)
+                                     for p in ("gate", "up", "down")]
+    out = ["embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        out += [f"layers.{i}.input_layernorm.{n}" for n in norms]
+        out += [f"layers.{i}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+        out += [f"layers.{i}.post_attention_layernorm.{n}" for n in norms]
+        out += [f"layers.{i}.{m}" for m in mlp]
+    out += [f"norm.{n}" for n in norms] + ["lm_head.weight"]
+    out = [n for n in out if n in known]
+    if sorted(out) != sorted(known):
+        raise CheckpointFormatError(f"{arch.architecture}: HF order misses {sorted(set(known) - set(out))}")
+    return out
+
+
 # ---------------------------------------------------------------- TP / PP / EP ownership (pure)
 
 def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tuple[tuple[int, int], ...]:

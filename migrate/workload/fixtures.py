@@ -61,14 +61,14 @@ def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zer
 
 def make_megatron_checkpoint(directory: str | os.PathLike, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                              moe: bool = False, steps: int = 2, distributed_optimizer: bool = True,
-                             dtype: str = "fp32") -> TrainedCheckpoint:
+                             dtype: str = "fp32", global_batch_size: int = 8) -> TrainedCheckpoint:
     """Train `steps` Megatron-Core steps at tp x pp x dp (ep divides dp; `moe` uses TINY_MIXTRAL) with
     the DistributedOptimizer and save a torch_dist checkpoint; `.path` is `<directory>/iter_<steps>`."""
     from migrate.workload.megatron_engine import iteration_dir
 
     spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=steps, tp=tp, pp=pp, ep=ep,
                    distributed_optimizer=distributed_optimizer, save_dir=str(directory),
-                   train=TrainSpec(precision=dtype))
+                   train=TrainSpec(precision=dtype, global_batch_size=global_batch_size))
     results = launch(spec, tp * pp * dp)
     return TrainedCheckpoint(path=Path(iteration_dir(str(directory), steps)), spec=spec, world_size=tp * pp * dp,
                              results=tuple(results))
