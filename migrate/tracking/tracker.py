@@ -56,6 +56,7 @@ class Tracker:
             import wandb
 
             mode = os.environ.get("WANDB_MODE", tracking.wandb.mode)
+            os.environ.setdefault("WANDB_SILENT", "true")  # the run's folder is printed by `migrate` itself
             self._wandb_run = wandb.init(
                 project=tracking.wandb.project, entity=tracking.wandb.entity, group=tracking.wandb.group,
                 name=run_name, dir=str(self.work_dir), mode=mode, config=dict(config or {}), reinit="finish_previous",
