@@ -4,7 +4,10 @@ Call sequence (coordinator = the caller of `execute`):
 1. coordinator: check the destination is absent or empty, create it;
 2. workers (inline, a local process pool, or any `map_fn` such as Ray tasks): for each target file
    allocate its buffers, fill them from memory-mapped source files, let the writer assemble the
-   file's object, save it to a temporary name, fsync, rename; return its sha256;
+   file's object, save it to a temporary name, fsync, rename; return its sha256. For an `in_place`
+   writer the object is saved without tensor data first and each copy item's bytes go straight to
+   their place in that file (kernel file-to-file copies where possible), so a worker holds at most
+   one tensor; inline, each written file is hashed in a thread while the next one is written;
 3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
    DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
    (files, sizes, sha256) last, fsynced: the commit point.
@@ -15,16 +18,23 @@ source is only ever opened read-only.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import io
 import json
+import math
 import mmap
 import os
 import pickle
 import shutil
+import struct
+import sys
 import time
+import warnings
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -259,13 +269,15 @@ def write_atomic(path: Path, payload: Any) -> FileRecord:
 
 
 def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str,
-                      writer: Writer, meta: Mapping[str, Any], trust_checkpoint: bool) -> FileRecord:
+                      writer: Writer, meta: Mapping[str, Any], trust_checkpoint: bool,
+                      hash_file: bool = True) -> FileRecord:
     """Worker step: build one target file from its copy items and write it atomically.
 
-    Peak memory: this file's buffers plus the pages of the source regions being copied.
+    Peak memory: this file's buffers plus the pages of the source regions being copied (for an
+    `in_place` writer: one tensor). `hash_file=False` leaves `sha256` empty for the caller to fill.
     """
     if getattr(writer, "in_place", False) and file.buffers:
-        return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint)
+        return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
     sources = _Sources(Path(source_root), trust_checkpoint)
     buffers = {b.key: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}
     for it in items:
@@ -303,21 +315,165 @@ def release_pages(t: torch.Tensor, start: int, numel: int) -> None:
         raise CheckpointError(f"madvise(MADV_DONTNEED) of {hi - lo} bytes failed: {os.strerror(err)}")
 
 
-def _dst_span(item: CopyItem) -> tuple[int, int]:
-    return (item.flat[1], item.flat[2]) if item.flat is not None else (item.dst.storage_offset, item.dst.numel)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoredTensor:
+    """Where a contiguous tensor of a torch.save'd (zip) file lies: byte offset of element 0, numel, dtype."""
+
+    offset: int
+    numel: int
+    dtype: torch.dtype
 
 
-def _src_span(item: CopyItem) -> tuple[int, int]:
-    return (item.flat[0], item.flat[2]) if item.flat is not None else (item.src.storage_offset, item.src.numel)
+@dataclass(frozen=True, slots=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorRef:
+    storage: _StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Opaque:
+    """Stands in for every non-container class of a pickle read for its layout only: nothing is imported or run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Opaque:
+        return _Opaque()
+
+
+def _rebuild_ref(storage: Any, storage_offset: int, size: Any, stride: Any, *args: Any) -> _TensorRef:
+    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd `data.pkl` into plain containers with `_TensorRef`s in place of tensors."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            from collections import OrderedDict
+
+            return OrderedDict
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_ref
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return lambda data, *a: data
+        if module == "torch" and name.endswith("Storage") and isinstance(getattr(torch, name, None), type):
+            return getattr(torch, name)
+        return _Opaque
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        _, storage_type, key, _, _ = pid
+        with warnings.catch_warnings():  # legacy typed-storage classes warn on `.dtype`
+            warnings.simplefilter("ignore")
+            dtype = storage_type if isinstance(storage_type, torch.dtype) else getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {key}: unknown storage type {storage_type!r}")
+        return _StorageRef(str(key), dtype)
+
+
+class _Layouts:
+    """Byte locations of tensors in torch.save'd files, from each file's pickle (parsed once, nothing loaded)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[Any, Any]] = {}
+
+    def locate(self, path: Path, key: KeyPath) -> StoredTensor | None:
+        """The stored tensor at `key` of `path`, or None when it is not one contiguous run of a zip record."""
+        p = str(path)
+        if p not in self.files:
+            try:
+                reader = torch._C.PyTorchFileReader(p)
+                obj = _LayoutUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
+            except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
+                obj, reader = None, None
+            self.files[p] = (reader, obj)
+        reader, obj = self.files[p]
+        if reader is None or sys.byteorder != "little":
+            return None
+        try:
+            ref = resolve_key(obj, key, file=p)
+        except CheckpointFormatError:
+            return None
+        if not isinstance(ref, _TensorRef) or not isinstance(ref.storage, _StorageRef):
+            return None
+        expect, acc = [], 1
+        for n in reversed(ref.size):
+            expect.append(acc)
+            acc *= n
+        if any(n > 1 and st != e for n, st, e in zip(ref.size, ref.stride, reversed(expect))):
+            return None
+        size = torch.empty((), dtype=ref.storage.dtype).element_size()
+        base = reader.get_record_offset(f"data/{ref.storage.key}")
+        return StoredTensor(offset=base + ref.storage_offset * size, numel=math.prod(ref.size),
+                            dtype=ref.storage.dtype)
+
+
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int) -> None:
+    """Copy bytes between files inside the kernel (no user-space buffer)."""
+    while nbytes > 0:
+        done = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
+        if done <= 0:
+            raise OSError(f"copy_file_range returned {done} with {nbytes} bytes left")
+        nbytes, src_off, dst_off = nbytes - done, src_off + done, dst_off + done
+
+
+def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
+    view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _fix_zip_crcs(f: BinaryIO, path: Path) -> None:
+    """Write the CRC-32 of every tensor record into its data descriptor and central-directory entry.
+
+    `torch.save` under `skip_data` leaves them 0 (torch.load does not check them; zip tools do).
+    """
+    with zipfile.ZipFile(path) as z:
+        infos, cd_pos = z.infolist(), z.start_dir
+    for info in infos:
+        f.seek(cd_pos)
+        head = f.read(46)
+        if head[:4] != b"PK\x01\x02":
+            raise CheckpointError(f"{path}: central directory entry of {info.filename} not where expected")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
+        if info.CRC == 0 and info.compress_size > 0 and "/data/" in info.filename:
+            f.seek(info.header_offset + 26)
+            local_name, local_extra = struct.unpack("<HH", f.read(4))
+            start = info.header_offset + 30 + local_name + local_extra
+            crc, pos, end = 0, start, start + info.compress_size
+            while pos < end:
+                block = os.pread(f.fileno(), min(1 << 22, end - pos), pos)
+                crc, pos = zlib.crc32(block, crc), pos + len(block)
+            packed = struct.pack("<I", crc)
+            os.pwrite(f.fileno(), packed, cd_pos + 16)
+            if info.flag_bits & 0x08:  # data descriptor after the data, with or without its signature
+                sig = os.pread(f.fileno(), 4, end)
+                os.pwrite(f.fileno(), packed, end + 4 if sig == b"PK\x07\x08" else end)
+            else:
+                os.pwrite(f.fileno(), packed, info.header_offset + 14)
+        cd_pos += 46 + name_len + extra_len + comment_len
 
 
 def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
-                    meta: Mapping[str, Any], trust_checkpoint: bool) -> FileRecord:
+                    meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool = True) -> FileRecord:
     """Worker step for `in_place` writers: save the file's object without tensor data (the data regions
-    stay holes, i.e. zeros), map the saved file shared, copy each item straight into it and release
-    the pages of both sides after each item, then fsync and rename.
+    stay holes, i.e. zeros), then put each copy item's bytes at their place in the file, fsync, rename.
 
-    Peak memory: one copy item's source region and target pages (at most one tensor), never the file.
+    A flat item between equal dtypes of torch.save'd files is copied file to file inside the kernel
+    (`copy_file_range`: no process memory); other flat items go through the source tensor's region
+    (pages released after); box items (one logical tensor per buffer) fill that buffer in memory.
+    Peak memory: one tensor, never the file.
     """
     placeholders = {b.key: torch.empty(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}  # untouched
     payload = writer.assemble(file, placeholders, meta)
@@ -328,33 +484,60 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     src_root = Path(source_root)
+    layouts, fds = _Layouts(), {}
     try:
         with open(tmp, "wb") as f, torch.serialization.skip_data():
             torch.save(payload, f)
         del payload, placeholders
-        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            skeleton = safe_load.load(tmp, mmap=True, trust_checkpoint=trust_checkpoint)
         targets = {}
         for b in file.buffers:
-            t = resolve_key(skeleton, b.key, file=file.path)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != b.shape or t.dtype != getattr(torch, b.dtype):
-                raise CheckpointError(f"{file.path}: in_place writer put {type(t).__name__} "
-                                      f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', '')} at "
-                                      f"{list(b.key)}, where the buffer is {b.shape} {b.dtype}")
-            targets[b.key] = t
+            loc = layouts.locate(tmp, b.key)
+            if loc is None or loc.numel != math.prod(b.shape) or loc.dtype != getattr(torch, b.dtype):
+                raise CheckpointError(f"{file.path}: the in_place writer's object holds no contiguous {b.shape} "
+                                      f"{b.dtype} tensor at {list(b.key)} (found {loc})")
+            targets[b.key] = loc
         sources = _Sources(src_root, trust_checkpoint)
-        for it in sorted(items, key=lambda i: (str(i.dst.key), _dst_span(i)[0])):
-            if it.dst.key not in targets:
-                raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of "
-                                      f"that file")
-            src, dst = sources.tensor(it.src.file, it.src.key), targets[it.dst.key]
-            copy_item(it, src, dst, src_where=str(src_root / it.src.file))
-            release_pages(dst, *_dst_span(it))
-            if sources.mapped(it.src.key):
-                release_pages(src, *_src_span(it))
-        del sources, targets, skeleton
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        boxes: dict[KeyPath, list[CopyItem]] = {}
+        with open(tmp, "rb+") as out:
+            for it in sorted(items, key=lambda i: (str(i.dst.key), i.flat[1] if i.flat else 0)):
+                if it.dst.key not in targets:
+                    raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of "
+                                          f"that file")
+                if it.flat is None:
+                    boxes.setdefault(it.dst.key, []).append(it)
+                    continue
+                dst, (s, d, n) = targets[it.dst.key], it.flat
+                if d + n > dst.numel:
+                    raise CheckpointFormatError(f"target {file.path} {list(it.dst.key)}: needs elements [{d}, "
+                                                f"{d + n}) but the buffer has {dst.numel}")
+                src_loc = layouts.locate(src_root / it.src.file, it.src.key) if sources.mapped(it.src.key) else None
+                if src_loc is not None and src_loc.dtype == dst.dtype and s + n <= src_loc.numel:
+                    if it.src.file not in fds:
+                        fds[it.src.file] = os.open(src_root / it.src.file, os.O_RDONLY)
+                    size = torch.empty((), dtype=dst.dtype).element_size()
+                    _copy_range(fds[it.src.file], out.fileno(), n * size, src_loc.offset + s * size,
+                                dst.offset + d * size)
+                    continue
+                src = sources.tensor(it.src.file, it.src.key)
+                region = _region(src, s, n, where=f"{src_root / it.src.file} {list(it.src.key)} ({it.tensor})")
+                region = region.to(dst.dtype)
+                _pwrite_all(out.fileno(), region, dst.offset + d * region.element_size())
+                if sources.mapped(it.src.key):
+                    release_pages(src, s, n)
+            for key, box_items in boxes.items():
+                b = next(b for b in file.buffers if b.key == key)
+                buf = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
+                for it in box_items:
+                    src = sources.tensor(it.src.file, it.src.key)
+                    copy_item(it, src, buf, src_where=str(src_root / it.src.file))
+                    if sources.mapped(it.src.key):
+                        release_pages(src, it.src.storage_offset, it.src.numel)
+                _pwrite_all(out.fileno(), buf, targets[key].offset)
+                del buf
+            out.flush()
+            _fix_zip_crcs(out, tmp)
+            os.fsync(out.fileno())
+        del sources
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as err:
@@ -363,7 +546,25 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return FileRecord(path=file.path, nbytes=path.stat().st_size, sha256=_sha256(path))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return FileRecord(path=file.path, nbytes=path.stat().st_size, sha256=_sha256(path) if hash_file else "")
+
+
+def _inline_hashing_in_background(dest: Path) -> MapFn:
+    """The default map: write target files one after another here, hashing each written file in a
+    thread (hashlib releases the GIL) while the next one is written."""
+
+    def run(fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as hashers:
+            written = []
+            for a in args:
+                rec = fn(*a, False)
+                written.append((rec, hashers.submit(_sha256, dest / rec.path) if not rec.sha256 else None))
+            return [r if fut is None else dataclasses.replace(r, sha256=fut.result()) for r, fut in written]
+
+    return run
 
 
 def local_map(workers: int) -> MapFn:
@@ -400,7 +601,7 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
     jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, meta, trust_checkpoint)
             for f in plan.target.files]
     try:
-        records = list((map_fn or local_map(1))(write_target_file, jobs))
+        records = list((map_fn or _inline_hashing_in_background(dest))(write_target_file, jobs))
         finalize = getattr(writer, "finalize", None)
         if finalize is not None:
             for rel, payload in finalize(records, meta).items():

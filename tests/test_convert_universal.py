@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ds_checkpoint_fixtures import DSCheckpointSpec, deepspeed_checkpoints, load_and_probe, universal_reference  # noqa: F401
+from ds_checkpoint_fixtures import (DSCheckpointSpec, deepspeed_checkpoints, load_and_probe,  # noqa: F401
+                                    universal_reference)
 
 from checkpoint import safe_load
 from checkpoint.api import convert, detect_format, read_index
@@ -30,7 +31,8 @@ SOURCES = [  # shared with tests/test_convert_deepspeed.py: trained once per ses
 
 def _our_universal(dst: Path) -> dict[str, dict[str, torch.Tensor]]:
     tag_dir = dst / (dst / LATEST).read_text().strip()
-    return {d.name: {k: torch.load(d / f"{k}.pt", weights_only=True)["param"] for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    kinds = ("fp32", "exp_avg", "exp_avg_sq")
+    return {d.name: {k: torch.load(d / f"{k}.pt", weights_only=True)["param"] for k in kinds}
             for d in sorted((tag_dir / "zero").iterdir()) if d.is_dir()}
 
 

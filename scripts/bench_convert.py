@@ -1,0 +1,317 @@
+"""Benchmark of the checkpoint converter on real DeepSpeed ZeRO checkpoints of growing size.
+
+For each size it trains a stack of square linears for one step with DeepSpeed (ZeRO-2, fp32 Adam,
+dp ranks on Gloo) and saves; then it times, on the same source:
+* `copy`: `cp -r` of the checkpoint directory + `sync` (the I/O floor: read all, write all);
+* `ours`: `checkpoint.api.convert` in a fresh process (fsync'd files + manifest), for dp 4->3 (ZeRO-2)
+  and ZeRO-2 -> ZeRO-3 (dp 4), with that process's peak RSS;
+* `universal`: DeepSpeed's path for the same reshard: `ds_to_universal` (once per size: its output does
+  not depend on the target) + DeepSpeed's engine loading it with `"checkpoint": {"load_universal":
+  true}` at the target layout, against DeepSpeed's plain load of our output (`load_checkpoint` time
+  of rank 0 in both; engine construction excluded).
+It prints one table; `--json` also writes every number. Targets (issue 4): ours >= 0.8x the copy's
+throughput, the universal path >= 5x slower, peak RSS <= 2x the largest tensor + 400 MB and flat.
+
+Defaults are 0.5, 1 and 2 GB (about 12 minutes on 2 CPU cores); 4 GB needs about 12 GB of memory for
+the training ranks that build the source: pass `--sizes-gb 1,2,4` on a larger machine.
+Run: `.venv/bin/python scripts/bench_convert.py [--sizes-gb 0.5,1,2] [--work DIR] [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN = 2048
+TAG = "global_step1"
+BYTES_PER_PARAM = 16  # ZeRO-2 fp32 + Adam: module 4 + fp32 master 4 + exp_avg 4 + exp_avg_sq 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One conversion measured: what, how long, how much memory."""
+
+    size_gb: float
+    conversion: str
+    source_bytes: int
+    largest_tensor_bytes: int
+    copy_s: float
+    ours_s: float
+    ours_peak_rss_bytes: int
+    ours_load_s: float | None
+    universal_convert_s: float | None
+    universal_load_s: float | None
+    universal_note: str = ""
+
+    @property
+    def copy_ratio(self) -> float:
+        """Our throughput relative to the copy's (1.0: as fast as cp -r + sync)."""
+        return self.copy_s / self.ours_s
+
+    @property
+    def universal_ratio(self) -> float | None:
+        """How many times longer DeepSpeed's universal path takes for the same reshard."""
+        if self.universal_convert_s is None or self.universal_load_s is None or self.ours_load_s is None:
+            return None
+        return (self.universal_convert_s + self.universal_load_s) / (self.ours_s + self.ours_load_s)
+
+    @property
+    def rss_bound_bytes(self) -> int:
+        return 2 * self.largest_tensor_bytes + (400 << 20)
+
+
+# ---------------------------------------------------------------- DeepSpeed ranks (spawned)
+
+def layers_for(size_gb: float, hidden: int = HIDDEN) -> int:
+    """Square linears (with bias) whose ZeRO-2 fp32 Adam checkpoint is about `size_gb` GB."""
+    return max(1, round(size_gb * 1e9 / (BYTES_PER_PARAM * (hidden * hidden + hidden))))
+
+
+def _model(layers: int, hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers)))
+
+
+def _config(stage: int, universal: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+           "zero_optimization": {"stage": stage}}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def _rank(rank: int, world: int, init_file: str, job: dict) -> None:
+    """Build (train one step, save) or load a checkpoint; rank 0 writes its timings to job['out']."""
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=job["port"])
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        import deepspeed
+
+        torch.manual_seed(0)
+        model = _model(job["layers"], job["hidden"])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # torch's Adam: the step is a tensor
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                          config=_config(job["stage"], job.get("universal", False)))
+        out: dict = {}
+        if job["mode"] == "build":
+            x = torch.randn(2, job["hidden"], generator=torch.Generator().manual_seed(rank))
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            engine.save_checkpoint(job["dir"], tag=TAG)
+        else:
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            path, _ = engine.load_checkpoint(job["dir"], tag=None)
+            torch.distributed.barrier()
+            out["load_s"] = time.perf_counter() - start
+            if path is None:
+                raise RuntimeError(f"DeepSpeed loaded nothing from {job['dir']}")
+        if rank == 0:
+            Path(job["out"]).write_text(json.dumps(out))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        Path(f"{job['out']}.rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def launch(world: int, job: dict, timeout_s: float = 900) -> dict:
+    """Run `_rank` at `world` ranks; rank 0's result. Judged by what rank 0 wrote (a rank aborting at
+    exit after its work, seen with Gloo, is not a failure)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with tempfile.TemporaryDirectory(prefix="bench_rdzv_") as tmp:
+        job = {**job, "port": _free_port(), "out": str(Path(tmp, "rank0.json"))}
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(r, world, str(Path(tmp, "init")), job)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if not Path(job["out"]).exists():
+            errs = "\n".join(p.read_text() for p in Path(tmp).glob("*.err"))
+            raise RuntimeError(f"DeepSpeed {job['mode']} at {world} ranks failed (exit codes "
+                               f"{[p.exitcode for p in procs]}):\n{errs}")
+        return json.loads(Path(job["out"]).read_text())
+
+
+def build_checkpoint(directory: Path, *, size_gb: float, dp: int, stage: int = 2, hidden: int = HIDDEN) -> Path:
+    """Train the linear stack one step at `dp` ranks and save a real DeepSpeed checkpoint into `directory`."""
+    launch(dp, {"mode": "build", "dir": str(directory), "layers": layers_for(size_gb, hidden), "hidden": hidden,
+                "stage": stage})
+    return directory
+
+
+# ---------------------------------------------------------------- measurements
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed_copy(src: Path, dst: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - start
+
+
+_CONVERT = """
+import json, resource, sys, time
+from checkpoint.api import convert
+a = json.loads(sys.argv[1])
+start = time.perf_counter()
+convert(a["src"], a["dst"], to=a["to"], dp=a["dp"], zero_stage=a["stage"])
+print(json.dumps({"seconds": time.perf_counter() - start,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def convert_in_subprocess(src: Path, dst: Path, *, to: str = "deepspeed", dp: int | None,
+                          stage: int | None) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of `checkpoint.api.convert` in a fresh Python process."""
+    args = json.dumps({"src": str(src), "dst": str(dst), "to": to, "dp": dp, "stage": stage})
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert {src} -> {dst} failed:\n{proc.stderr[-4000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["peak_rss"]
+
+
+def ds_to_universal(src: Path, out_tag_dir: Path) -> float:
+    """Seconds of DeepSpeed's own converter (2 extract workers, 1 merge worker: a 2-core machine)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(src / TAG), "--output_folder", str(out_tag_dir), "--num_extract_workers", "2",
+                           "--num_merge_workers", "1", "--inject_missing_state"],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed:\n{proc.stderr[-4000:]}")
+    return time.perf_counter() - start
+
+
+def load_seconds(directory: Path, *, dp: int, stage: int, layers: int, hidden: int, universal: bool) -> float:
+    return launch(dp, {"mode": "load", "dir": str(directory), "layers": layers, "hidden": hidden, "stage": stage,
+                       "universal": universal})["load_s"]
+
+
+def bench_size(size_gb: float, work: Path, *, dp: int, to_dp: int, hidden: int, universal: bool) -> list[Case]:
+    """Build one source of `size_gb` and measure both conversions on it."""
+    root = work / f"{size_gb:g}gb"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    layers = layers_for(size_gb, hidden)
+    print(f"[{size_gb:g} GB] building a ZeRO-2 dp{dp} checkpoint ({layers} x Linear({hidden}, {hidden}))", flush=True)
+    src = build_checkpoint(root / "src", size_gb=size_gb, dp=dp, hidden=hidden)
+    nbytes = dir_bytes(src)
+    largest = hidden * hidden * 4
+    print(f"[{size_gb:g} GB] source {nbytes / 1e9:.2f} GB; copy", flush=True)
+    copy_s = timed_copy(src, root / "copy")
+    shutil.rmtree(root / "copy")
+    uni_s, note = None, ""
+    if universal:
+        print(f"[{size_gb:g} GB] ds_to_universal", flush=True)
+        uni_dir = root / "universal" / f"{TAG}_universal"
+        uni_s = ds_to_universal(src, uni_dir)
+        # DeepSpeed's ZeRO-3 engine looks for zero_pp_rank_0_mp_rank_00_model_states.pt, which
+        # ds_to_universal does not write for a ZeRO-1/2 source: link it under that name too
+        os.link(uni_dir / "mp_rank_00_model_states.pt", uni_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    cases = []
+    for name, to_layout in ((f"dp{dp}->dp{to_dp} z2", (to_dp, 2)), (f"z2->z3 dp{dp}", (dp, 3))):
+        print(f"[{size_gb:g} GB] ours {name}", flush=True)
+        dst = root / f"ours_{to_layout[0]}_{to_layout[1]}"
+        ours_s, rss = convert_in_subprocess(src, dst, dp=to_layout[0], stage=to_layout[1])
+        ours_load = uni_load = None
+        if universal:
+            print(f"[{size_gb:g} GB] DeepSpeed loads ours / the universal checkpoint at {name}", flush=True)
+            ours_load = load_seconds(dst, dp=to_layout[0], stage=to_layout[1], layers=layers, hidden=hidden,
+                                     universal=False)
+            try:
+                uni_load = load_seconds(root / "universal", dp=to_layout[0], stage=to_layout[1], layers=layers,
+                                        hidden=hidden, universal=True)
+            except RuntimeError as err:
+                note = f"universal load failed: {str(err).strip().splitlines()[-1][:160]}"
+        shutil.rmtree(dst)
+        cases.append(Case(size_gb=size_gb, conversion=name, source_bytes=nbytes, largest_tensor_bytes=largest,
+                          copy_s=copy_s, ours_s=ours_s, ours_peak_rss_bytes=rss, ours_load_s=ours_load,
+                          universal_convert_s=uni_s, universal_load_s=uni_load, universal_note=note))
+        note = ""
+    shutil.rmtree(root, ignore_errors=True)
+    return cases
+
+
+def table(cases: list[Case]) -> str:
+    """The one table: time vs copy, vs the universal path, and peak RSS vs the largest tensor."""
+    head = ("| size | conversion | source | copy s | ours s | vs copy | ours+load s | universal s (conv+load) "
+            "| universal / ours | peak RSS | largest tensor | RSS bound |")
+    lines = [head, "|" + "---|" * 12]
+    for c in cases:
+        load = "fail" if c.universal_load_s is None else f"{c.universal_load_s:.1f}"
+        uni = "n/a" if c.universal_convert_s is None else f"{c.universal_convert_s:.1f} + {load}"
+        ratio = "n/a" if c.universal_ratio is None else f"{c.universal_ratio:.1f}x"
+        ours_load = "n/a" if c.ours_load_s is None else f"{c.ours_s:.1f} + {c.ours_load_s:.1f}"
+        lines.append(f"| {c.size_gb:g} GB | {c.conversion} | {c.source_bytes / 1e9:.2f} GB | {c.copy_s:.1f} | "
+                     f"{c.ours_s:.1f} | {c.copy_ratio:.2f}x | {ours_load} | {uni} | {ratio} | "
+                     f"{c.ours_peak_rss_bytes / 2**20:.0f} MiB | {c.largest_tensor_bytes / 2**20:.0f} MiB | "
+                     f"{c.rss_bound_bytes / 2**20:.0f} MiB |")
+    notes = [f"  {c.size_gb:g} GB {c.conversion}: {c.universal_note}" for c in cases if c.universal_note]
+    return "\n".join(lines + (["notes:"] + notes if notes else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-gb", default="0.5,1,2", help="comma-separated checkpoint sizes in GB")
+    p.add_argument("--dp", type=int, default=4, help="source data-parallel size (ZeRO-2)")
+    p.add_argument("--to-dp", type=int, default=3, help="target dp of the dp-change conversion")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="width of the square linears (largest tensor)")
+    p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
+    p.add_argument("--no-universal", action="store_true", help="skip DeepSpeed's universal path (and loads)")
+    p.add_argument("--json", default=None, help="also write every measured number to this file")
+    args = p.parse_args(argv)
+    sizes = [float(s) for s in args.sizes_gb.split(",") if s.strip()]
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_convert_"))
+    start = time.perf_counter()
+    try:
+        cases = [c for s in sizes for c in bench_size(s, work, dp=args.dp, to_dp=args.to_dp, hidden=args.hidden,
+                                                     universal=not args.no_universal)]
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(cases))
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(c) | {"copy_ratio": c.copy_ratio,
+                                                            "universal_ratio": c.universal_ratio}
+                                               for c in cases], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Converting a big checkpoint needs memory for one tensor, not for the checkpoint.
+
+Real DeepSpeed ZeRO-2 checkpoints of growing size (built by scripts/bench_convert.py's builder) are
+converted in a fresh process whose peak RSS (getrusage) is measured: it must stay under 2x the
+largest tensor + 400 MB and must not grow with the checkpoint.
+"""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint.errors import CheckpointError
+from checkpoint.execute import execute, verify_manifest
+from checkpoint.index import CheckpointIndex
+from checkpoint.plan import ConversionPlan, TargetBuffer, TargetFile, TargetSpec
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN = 512  # largest tensor: 512 x 512 fp32 = 1 MiB
+
+
+def _bench():
+    """scripts/bench_convert.py as a module (its spawned ranks import it by name: the path goes along)."""
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    return importlib.import_module("bench_convert")
+
+
+@pytest.mark.slow
+def test_peak_memory_is_flat_as_the_checkpoint_grows(tmp_path, workload_extensions_dir):
+    bench = _bench()
+    peaks: dict[tuple[float, str], int] = {}
+    sizes = (0.04, 0.25)
+    for size in sizes:
+        src = bench.build_checkpoint(tmp_path / f"src{size}", size_gb=size, dp=2, hidden=HIDDEN)
+        assert bench.dir_bytes(src) > 0.8 * size * 1e9
+        for name, to, dp, stage in (("dp2->dp3", "deepspeed", 3, 2), ("z2->z3", "deepspeed", 2, 3),
+                                    ("universal", "deepspeed_universal", None, None)):
+            dst = tmp_path / f"out{size}_{name}"
+            _, peak = bench.convert_in_subprocess(src, dst, to=to, dp=dp, stage=stage)
+            assert verify_manifest(dst) == []
+            peaks[(size, name)] = peak
+    largest = HIDDEN * HIDDEN * 4
+    bound = 2 * largest + (400 << 20)
+    report = {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}
+    assert all(v <= bound for v in peaks.values()), f"peak RSS over {bound / 2**20:.0f} MiB: {report}"
+    for name in ("dp2->dp3", "z2->z3", "universal"):
+        growth = peaks[(sizes[1], name)] - peaks[(sizes[0], name)]
+        # the checkpoint grows by ~210 MB (a rank's target file by ~100 MB); memory must not follow
+        assert growth < 24 << 20, f"{name}: peak RSS grew by {growth / 2**20:.0f} MiB with the checkpoint: {report}"
+
+
+class _Misplacing:
+    """An in_place writer that breaks its contract: the buffer is not at its key path."""
+
+    in_place = True
+
+    def assemble(self, file, buffers, meta):
+        return {"elsewhere": torch.zeros(3)}
+
+
+def test_in_place_writer_that_misplaces_a_buffer_is_refused(tmp_path):
+    target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)),
+                        files=(TargetFile(path="f.pt", role="r", rank=0,
+                                          buffers=(TargetBuffer(key=("w",), shape=(3,), dtype="float32"),)),))
+    plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),
+                          target=target, items=())
+    with pytest.raises(CheckpointError, match=r"f\.pt.*no contiguous \(3,\) float32 tensor at \['w'\]"):
+        execute(plan, _Misplacing(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+class _Placing:
+    in_place = True
+
+    def assemble(self, file, buffers, meta):
+        return {"w": buffers[("w",)], "n": 7}
+
+
+def test_in_place_writer_output_loads_with_zeros_where_nothing_was_copied(tmp_path):
+    target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)),
+                        files=(TargetFile(path="f.pt", role="r", rank=0,
+                                          buffers=(TargetBuffer(key=("w",), shape=(2, 3), dtype="bfloat16"),)),))
+    plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),
+                          target=target, items=())
+    execute(plan, _Placing(), tmp_path / "out")
+    got = torch.load(tmp_path / "out" / "f.pt", weights_only=True)
+    assert got["n"] == 7 and got["w"].dtype == torch.bfloat16
+    assert torch.equal(got["w"], torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert verify_manifest(tmp_path / "out") == []
