@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import click
 
@@ -63,3 +64,21 @@ def stage_command(name: str, description: str) -> click.Command:
         sys.exit(run_stages(job, [name], force))
 
     return command
+
+
+def run_stage_with_flags(job: Job, stage: str, flags: Mapping[str, Any], force: bool) -> NoReturn:
+    """Run one stage of ``job`` with the command's flags (None: not given) over the job's options; exit."""
+    from pydantic import ValidationError
+
+    from migrate.stages import STAGES
+
+    options_type = STAGES[stage].options
+    current = job.stage_options.get(stage) or options_type()
+    updates = {k: v for k, v in flags.items() if v is not None}
+    try:
+        options = options_type.model_validate({**current.model_dump(), **updates})
+    except ValidationError as exc:
+        click.echo(f"invalid {stage} options: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    job = dataclasses.replace(job, stage_options={**job.stage_options, stage: options})
+    sys.exit(run_stages(job, [stage], force))

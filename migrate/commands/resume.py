@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from pathlib import Path
 
 import click
 
 from checkpoint.state.faults import FAULTS
-from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit, run_stages
+from migrate.commands._common import job_argument, load_or_exit, run_stage_with_flags
 
 
 @click.command(help="Load the converted checkpoint at the target layout, run K steps, and compare losses, the "
@@ -21,17 +19,4 @@ from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit,
               help="test hook: break a copy of the converted checkpoint (see checkpoint.state.faults)")
 @click.option("--force", is_flag=True, help="run even if the inputs are unchanged")
 def command(job_file: Path, steps: int | None, fault: str | None, force: bool) -> None:
-    from pydantic import ValidationError
-
-    from migrate.stages.resume import ResumeOptions
-
-    job = load_or_exit(job_file)
-    current = job.stage_options.get("resume") or ResumeOptions()
-    updates = {k: v for k, v in {"steps": steps, "fault": fault}.items() if v is not None}
-    try:
-        options = ResumeOptions.model_validate({**current.model_dump(), **updates})
-    except ValidationError as exc:
-        click.echo(f"invalid resume options: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    job = dataclasses.replace(job, stage_options={**job.stage_options, "resume": options})
-    sys.exit(run_stages(job, ["resume"], force))
+    run_stage_with_flags(load_or_exit(job_file), "resume", {"steps": steps, "fault": fault}, force)

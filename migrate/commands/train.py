@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from pathlib import Path
 
 import click
 
-from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit, run_stages
+from migrate.commands._common import job_argument, load_or_exit, run_stage_with_flags
 
 
 @click.command(help="Train the job's model for real on its runtime: --side baseline at the source layout, "
@@ -22,18 +20,6 @@ from migrate.commands._common import EXIT_BAD_INPUT, job_argument, load_or_exit,
 @click.option("--force", is_flag=True, help="run even if the inputs are unchanged")
 def command(job_file: Path, side: str | None, steps: int | None, load: Path | None, save_every: int | None,
             engine: str | None, force: bool) -> None:
-    from pydantic import ValidationError
-
-    from migrate.stages.train import TrainOptions
-
-    job = load_or_exit(job_file)
-    current = job.stage_options.get("train") or TrainOptions()
-    updates = {k: v for k, v in {"side": side, "steps": steps, "save_every": save_every, "engine": engine,
-                                  "load": str(load.resolve()) if load else None}.items() if v is not None}
-    try:
-        options = TrainOptions.model_validate({**current.model_dump(), **updates})
-    except ValidationError as exc:
-        click.echo(f"invalid train options: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    job = dataclasses.replace(job, stage_options={**job.stage_options, "train": options})
-    sys.exit(run_stages(job, ["train"], force))
+    flags = {"side": side, "steps": steps, "save_every": save_every, "engine": engine,
+             "load": str(load.resolve()) if load else None}
+    run_stage_with_flags(load_or_exit(job_file), "train", flags, force)
