@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from migrate.workload.external import parse_megatron_log, read_tensorboard, render_command, run_external
+from convergence.readers import read_metrics
+from migrate.workload.external import render_command, run_external
 
 MEGATRON = ("pretrain_gpt.py --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
             "--load {load} --save {save}")
@@ -22,14 +23,16 @@ def test_template_names_unknown_and_missing_placeholders():
         render_command(MEGATRON, {"tp": 1, "pp": 1, "load": "a"})
 
 
-def test_megatron_log_lines_become_metrics():
+def test_megatron_log_lines_become_metrics(tmp_path):
     log = """ [2026-01-01 10:00:00] iteration        1/      10 | consumed samples:            8 | elapsed time per iteration (ms): 812.5 | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: 1.093750E+01 | loss scale: 1.0 | grad norm: 3.217 | number of skipped iterations:   0 |
 some other line
  [2026-01-01 10:00:01] iteration        2/      10 | consumed samples:           16 | elapsed time per iteration (ms): 640.1 | learning rate: 3.000000E-04 | global batch size:     8 | lm loss: 1.012500E+01 | loss scale: 1.0 | grad norm: nan |"""
-    rows = parse_megatron_log(log)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["loss"] == 10.9375 and rows[0]["grad_norm"] == 3.217 and rows[0]["lr"] == 1.5e-4
-    assert rows[1]["consumed_samples"] == 16 and rows[1]["grad_norm"] != rows[1]["grad_norm"]  # NaN kept
+    (tmp_path / "rank0.log").write_text(log)
+    run = read_metrics(tmp_path / "rank0.log")
+    loss, grad_norm, lr = run.find("loss"), run.find("grad_norm"), run.find("lr")
+    assert loss.steps == (1, 2) and loss.values == (10.9375, 10.125)
+    assert grad_norm.values[0] == 3.217 and grad_norm.values[1] != grad_norm.values[1]  # NaN kept
+    assert lr.values == (1.5e-4, 3e-4)
 
 
 def test_tensorboard_scalars_become_metrics(tmp_path):
@@ -39,7 +42,8 @@ def test_tensorboard_scalars_become_metrics(tmp_path):
         for step, loss in [(1, 5.0), (2, 4.5)]:
             writer.add_scalar("lm loss", loss, step)
             writer.add_scalar("grad-norm", 1.0 / step, step)
-    assert read_tensorboard(tmp_path) == [{"step": 1, "loss": 5.0, "grad_norm": 1.0}, {"step": 2, "loss": 4.5, "grad_norm": 0.5}]
+    run = read_metrics(tmp_path)
+    assert run.find("loss").values == (5.0, 4.5) and run.find("grad_norm").values == (1.0, 0.5)
 
 
 @pytest.mark.slow
@@ -52,5 +56,5 @@ def test_command_runs_on_every_rank_with_torchrun_env(tmp_path):
     assert [r.returncode for r in results] == [0, 0]
     for r in results:
         text = open(r.log_path).read()
-        assert parse_megatron_log(text) == [{"step": 1, "loss": float(r.rank)}]
+        assert read_metrics(r.log_path, "megatron").find("loss").values == (float(r.rank),)
         assert text.split()[-2] == "2"

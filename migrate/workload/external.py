@@ -3,17 +3,15 @@ worker group with torchrun-style environment variables, its metrics read from it
 
 Call sequence: `render_command(template, values)` (pure) -> start a worker group with
 `init_distributed=False` (the command joins its own process group on MASTER_ADDR/PORT, which
-the group sets) -> `group.run(run_external, argv, log_dir)` -> `parse_megatron_log(text)` on
-rank 0's log (or `read_tensorboard` on the run's event dir).
+the group sets) -> `group.run(run_external, argv, log_dir)` -> rank 0's log (or the run's
+TensorBoard dir) read by `convergence.readers.read_metrics`.
 """
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 from string import Formatter
 from typing import Any, Mapping
 
@@ -54,47 +52,3 @@ def run_external(ctx: Any, argv: list[str], log_dir: str, timeout_s: float | Non
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False)
     return ExternalResult(rank=ctx.rank, returncode=proc.returncode, log_path=log_path)
-
-
-_ITERATION = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|(.*)")
-_FIELDS = {"lm loss": "loss", "grad norm": "grad_norm", "learning rate": "lr",
-           "elapsed time per iteration (ms)": "step_time_ms", "consumed samples": "consumed_samples",
-           "global batch size": "global_batch_size"}
-
-
-def parse_megatron_log(text: str) -> list[dict[str, float]]:
-    """Per-iteration metrics from Megatron-LM's training log lines
-    (` iteration 3/ 10 | consumed samples: 24 | ... | lm loss: 4.1E+00 | grad norm: 1.2 |`)."""
-    rows = []
-    for line in text.splitlines():
-        match = _ITERATION.search(line)
-        if not match:
-            continue
-        row: dict[str, float] = {"step": int(match.group(1))}
-        for part in match.group(2).split("|"):
-            key, _, value = part.partition(":")
-            name = _FIELDS.get(key.strip())
-            if name and value.strip():
-                try:
-                    row[name] = float(value.strip())
-                except ValueError:
-                    continue
-        rows.append(row)
-    return rows
-
-
-def read_tensorboard(event_dir: str | Path, tags: Mapping[str, str] | None = None) -> list[dict[str, float]]:
-    """Per-step metrics from TensorBoard scalars; `tags` maps a TB tag to our name
-    (default: Megatron-LM's 'lm loss', 'grad-norm', 'learning-rate')."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tags = tags or {"lm loss": "loss", "grad-norm": "grad_norm", "learning-rate": "lr"}
-    acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    rows: dict[int, dict[str, float]] = {}
-    available = set(acc.Tags().get("scalars", []))
-    for tag, name in tags.items():
-        if tag in available:
-            for event in acc.Scalars(tag):
-                rows.setdefault(event.step, {"step": event.step})[name] = float(event.value)
-    return [rows[s] for s in sorted(rows)]
