@@ -642,11 +642,17 @@ def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
                           expect_stage=opts.zero_stage)
 
 
-def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
+def target_dp_and_stage(index: CheckpointIndex, opts: TargetOptions, what: str) -> tuple[int, int]:
+    """(dp, ZeRO stage) of a data-parallel-only target: the options', else the source's."""
     if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
-        raise PlanError(f"DeepSpeed target is written at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
+        raise PlanError(f"{what} target is written at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
     dp = opts.dp if opts.dp is not None else int(index.meta.get("dp", 1))
     stage = opts.zero_stage if opts.zero_stage is not None else int(index.meta.get("stage", 1))
+    return dp, stage
+
+
+def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
+    dp, stage = target_dp_and_stage(index, opts, "DeepSpeed")
     return deepspeed_target(index, dp=dp, zero_stage=stage)
 
 

@@ -304,10 +304,7 @@ def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
 
 
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
-    if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
-        raise PlanError(f"universal target is written at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
-    dp = opts.dp if opts.dp is not None else int(index.meta.get("dp", 1))
-    stage = opts.zero_stage if opts.zero_stage is not None else int(index.meta.get("stage", 1))
+    dp, stage = ds.target_dp_and_stage(index, opts, "universal")
     return universal_target(index, zero_stage=stage, dp=dp)
 
 
