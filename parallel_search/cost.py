@@ -4,11 +4,17 @@ Terms (seconds per optimizer step on the slowest rank):
 
 * ``compute``: matmul and attention FLOPs of the steady micro-batches at the device's peak;
 * ``bubble``: the pipeline fill/drain, (pp - 1) / vpp micro-batch slots of the slowest stage;
-* ``overhead``: a fixed launch/dispatch cost per layer and micro-batch slot;
+* ``overhead_megatron``, ``overhead_deepspeed``: a fixed launch/dispatch cost per layer and
+  micro-batch slot, one term per engine (their Python paths differ, and calibration must be
+  able to learn that from a measurement of each);
 * ``tp_comm``, ``cp_comm``, ``ep_comm``, ``pp_comm``: tensor/context/expert-parallel
   collectives and pipeline sends on the critical path;
-* ``dp_comm``: gradient (and distributed-optimizer / ZeRO parameter) synchronisation, the part
-  not hidden behind backward when ``overlap_grad_reduce`` is on;
+* data-parallel synchronisation, one term per collective pattern, the part not hidden behind
+  backward when ``overlap_grad_reduce`` is on: ``dp_allreduce`` (unsharded gradients, once per
+  step), ``dp_reduce_scatter`` (sharded gradients: once per step for the distributed optimizer
+  and ZeRO-1, once per micro-batch for ZeRO-2/3, which reduce during every backward),
+  ``dp_allgather`` (updated parameters after a sharded step) and ``zero3_gather`` (ZeRO-3's
+  parameter gathers in forward and backward of every micro-batch);
 * ``optimizer``: the optimizer step as a memory-bound pass over the rank's state.
 
 ``predict(terms, calibration)`` is the sum of ``factor * term``; :func:`fit_calibration`
@@ -28,7 +34,9 @@ from parallel_search.profiles import DeviceProfile
 from parallel_search.space import Candidate
 from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
-TERMS = ("compute", "bubble", "overhead", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "optimizer")
+TERMS = ("compute", "bubble", "overhead_megatron", "overhead_deepspeed", "tp_comm", "cp_comm", "ep_comm", "pp_comm",
+         "dp_allreduce", "dp_reduce_scatter", "dp_allgather", "zero3_gather", "optimizer")
+DP_TERMS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "zero3_gather")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,30 +147,37 @@ def cost_terms(model: ModelShape, train: TrainingShape, cluster: ClusterShape, c
     dp_bw = _bandwidth(device, cluster, lay.tp * lay.cp * lay.dp)
     grad_b = 4.0 if cand.framework == "megatron" else float(e)
     sharded = lay.sharding is not OptimizerSharding.NONE
-    dp_time = 0.0
+    # ZeRO-2/3 reduce-scatter during every micro-batch's backward; the others once per step.
+    reductions = m if lay.zero_stage >= 2 else 1
+    dp = dict.fromkeys(DP_TERMS, 0.0)
     for params, ranks in ((dense, dp_ranks), (experts, expert_dp)):
         if ranks <= 1 or params <= 0:
             continue
         if sharded:  # reduce-scatter gradients, all-gather updated parameters
-            dp_time += _ring_time(params * grad_b, ranks, dp_bw, lat, (ranks - 1) / ranks)
-            dp_time += _ring_time(params * e, ranks, dp_bw, lat, (ranks - 1) / ranks)
+            dp["dp_reduce_scatter"] += reductions * _ring_time(params * grad_b, ranks, dp_bw, lat, (ranks - 1) / ranks)
+            dp["dp_allgather"] += _ring_time(params * e, ranks, dp_bw, lat, (ranks - 1) / ranks)
         else:
-            dp_time += _ring_time(params * grad_b, ranks, dp_bw, lat, 2 * (ranks - 1) / ranks)
+            dp["dp_allreduce"] += _ring_time(params * grad_b, ranks, dp_bw, lat, 2 * (ranks - 1) / ranks)
         if lay.zero_stage >= 3:  # parameters gathered in forward and backward of every micro-batch
-            dp_time += 2 * m * _ring_time(params * e, ranks, dp_bw, lat, (ranks - 1) / ranks)
-    if options.overlap_grad_reduce:
-        dp_time = max(0.0, dp_time - 2.0 / 3.0 * mb_compute)
+            dp["zero3_gather"] += 2 * m * _ring_time(params * e, ranks, dp_bw, lat, (ranks - 1) / ranks)
+    if options.overlap_grad_reduce:  # gradient reduction hides behind two thirds of the backward
+        hideable = dp["dp_allreduce"] + dp["dp_reduce_scatter"]
+        if hideable > 0:
+            exposed = max(0.0, hideable - 2.0 / 3.0 * mb_compute) / hideable
+            dp["dp_allreduce"] *= exposed
+            dp["dp_reduce_scatter"] *= exposed
     weights, gradients, optimizer = state_bytes(train, cand, dense, experts)
     opt_time = (2 * optimizer + weights + gradients) / (device.memory_bandwidth_gbps * 1e9)
     seconds = {
         "compute": m * mb_compute,
         "bubble": slots * mb_compute,
-        "overhead": (m + slots) * per_mb_overhead,
+        "overhead_megatron": (m + slots) * per_mb_overhead if cand.framework == "megatron" else 0.0,
+        "overhead_deepspeed": (m + slots) * per_mb_overhead if cand.framework == "deepspeed" else 0.0,
         "tp_comm": (m + slots) * tp_mb,
         "cp_comm": (m + slots) * cp_mb,
         "ep_comm": (m + slots) * ep_mb,
         "pp_comm": (m + slots) * pp_mb if lay.pp > 1 else 0.0,
-        "dp_comm": dp_time,
+        **dp,
         "optimizer": opt_time,
     }
     flops = model.flops_per_token() * train.global_batch_size * model.seq_length
@@ -181,7 +196,8 @@ def mfu(model_flops: float, step_time_s: float, world_size: int, device: DeviceP
 
 def fit_calibration(samples: Sequence[tuple[CostTerms, float]], ridge: float = 0.05,
                     bounds: tuple[float, float] = (0.02, 200.0)) -> Calibration:
-    """Factors minimising sum(((pred - measured) / measured)^2) + ridge * sum((factor - 1)^2).
+    """Factors minimising sum(((pred - measured) / measured)^2) + ridge * sum(share_j * (factor_j - 1)^2),
+    share_j being term j's mean squared share of the measured step times.
 
     Terms absent from every sample keep 1.0. Factors are clipped to ``bounds`` and the free
     ones re-solved (a small active-set loop), so every factor stays positive.
@@ -197,7 +213,10 @@ def fit_calibration(samples: Sequence[tuple[CostTerms, float]], ridge: float = 0
         free = [j for j in range(k) if j not in fixed]
         rhs = target - sum((x[:, j] * v for j, v in fixed.items()), np.zeros(len(samples)))
         a = x[:, free]
-        solved = np.linalg.solve(a.T @ a + ridge * np.eye(len(free)), a.T @ rhs + ridge * np.ones(len(free)))
+        # Ridge on each term's share of the step (not on the bare factor): a term worth 2% of the step
+        # may grow 20x when the measurements ask for it, a dominant one is held close to its prior.
+        weight = ridge * np.maximum(np.mean(a ** 2, axis=0), 1e-6)
+        solved = np.linalg.solve(a.T @ a + np.diag(weight), a.T @ rhs + weight)
         factors[free] = solved
         out = [(j, v) for j, v in zip(free, solved) if not bounds[0] <= v <= bounds[1]]
         if not out:

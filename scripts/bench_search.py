@@ -2,16 +2,19 @@
 
 For each world size (default 2, 3, 4): every memory-feasible candidate of the benchmark
 model is profiled for real (built-in Megatron-Core / DeepSpeed workloads on a local Gloo
-worker group, 1 warm-up + ``--steps`` timed steps; resumable from ``<out>/exhaustive_<W>.jsonl``).
-Then the search runs with successive halving under its default budget (25% of the feasible
-candidates) against a replay of those very measurements (a rung asking for k timed steps
-gets the first k), so the comparison with the exhaustive best is exact rather than noisy.
-Reported per world size: the chosen candidate's step time against the exhaustive best, the
-fraction profiled, the memory model's error (predicted over measured peak; never below 1 is
-the target) and the step-time prediction error before and after calibration. Plus an
-analytic-only search at scale: Llama 70B on 512 Ascend 910B.
+worker group, 1 warm-up + ``--steps`` timed steps), ``--rounds`` times over, round-robin so
+that a slow spell of the machine hits every candidate alike (resumable from
+``<out>/exhaustive_<W>[.r<R>].jsonl``). A candidate's true step time is the median of all
+its timed steps over the rounds. Then the search runs with successive halving under its
+default budget (25% of the feasible candidates) against a replay of those very measurements
+(a rung asking for k timed steps gets the first k, round 1 first), so the search and the
+exhaustive best see the same numbers. Reported per world size: the chosen candidate's step
+time against the exhaustive best (and the same gap round by round, which shows how much of
+it is the machine's noise), the fraction profiled, the memory model's error (predicted over
+measured peak; never below 1 is the target) and the step-time prediction error before and
+after calibration. Plus an analytic-only search at scale: Llama 70B on 512 Ascend 910B.
 
-    python scripts/bench_search.py --out runs/bench_search [--world-sizes 2 3 4] [--steps 4]
+    python scripts/bench_search.py --out runs/bench_search [--world-sizes 2 3 4] [--steps 4] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -46,8 +49,12 @@ def bench_problem(world: int) -> Problem:
                    space=SPACE)
 
 
-def exhaustive(problem: Problem, world: int, steps: int, out: Path) -> dict[str, Measurement]:
-    """Profile every feasible candidate for real (resuming from the JSONL cache)."""
+def cache_path(out: Path, world: int, round_: int) -> Path:
+    return out / (f"exhaustive_{world}.jsonl" if round_ == 1 else f"exhaustive_{world}.r{round_}.jsonl")
+
+
+def exhaustive(problem: Problem, world: int, steps: int, rounds: int, out: Path) -> list[dict[str, Measurement]]:
+    """Profile every feasible candidate for real, ``rounds`` times round-robin (resuming from the caches)."""
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.search.profiler import WorkloadProfiler
     from migrate.workload.model_spec import ModelSpec, TrainSpec
@@ -59,26 +66,43 @@ def exhaustive(problem: Problem, world: int, steps: int, out: Path) -> dict[str,
                                                                            backend="gloo", env=env, timeout_s=600)),
                                 model, train, warmup=1)
     plan = plan_space(problem)
-    cache = ProfileCache(out / f"exhaustive_{world}.jsonl", problem.fingerprint("builtin"))
-    found: dict[str, Measurement] = {}
+    found: list[dict[str, Measurement]] = []
     try:
-        for i, cand in enumerate(plan.feasible, 1):
-            m = cache.get(cand.key, steps)
-            if m is None:
-                m = profiler(cand, steps)
-                cache.put(cand.key, m)
-            found[cand.key] = m
-            state = f"{m.step_time_s:.3f} s" if m.ok else f"FAILED {m.reason}"
-            print(f"  [{world}] {i}/{len(plan.feasible)} {cand.label()}: {state}", file=sys.stderr, flush=True)
+        for round_ in range(1, rounds + 1):
+            cache = ProfileCache(cache_path(out, world, round_), problem.fingerprint("builtin"))
+            this: dict[str, Measurement] = {}
+            for i, cand in enumerate(plan.feasible, 1):
+                m = cache.get(cand.key, steps)
+                if m is None:
+                    m = profiler(cand, steps)
+                    cache.put(cand.key, m)
+                this[cand.key] = m
+                state = f"{m.step_time_s:.3f} s" if m.ok else f"FAILED {m.reason}"
+                print(f"  [{world} round {round_}] {i}/{len(plan.feasible)} {cand.label()}: {state}",
+                      file=sys.stderr, flush=True)
+            found.append(this)
     finally:
         profiler.close()
     return found
 
 
-def evaluate(world: int, steps: int, out: Path) -> dict:
+def pooled(rounds: list[dict[str, Measurement]]) -> dict[str, Measurement]:
+    """One measurement per candidate: every round's timed steps in round order (failed in any round: failed)."""
+    out = {}
+    for key in rounds[0]:
+        ms = [r[key] for r in rounds]
+        failed = [m for m in ms if not m.ok]
+        out[key] = failed[0] if failed else Measurement(
+            key=key, ok=True, step_times_s=tuple(t for m in ms for t in m.step_times_s), warmup_steps=ms[0].warmup_steps,
+            peak_memory_bytes=max(m.peak_memory_bytes or 0 for m in ms) or None)
+    return out
+
+
+def evaluate(world: int, steps: int, rounds: int, out: Path) -> dict:
     problem = bench_problem(world)
     plan = plan_space(problem)
-    truth = exhaustive(problem, world, steps, out)
+    per_round = exhaustive(problem, world, steps, rounds, out)
+    truth = pooled(per_round)
     ok = {k: m for k, m in truth.items() if m.ok}
     best_key = min(ok, key=lambda k: ok[k].step_time_s)
     calls: list[str] = []
@@ -87,17 +111,21 @@ def evaluate(world: int, steps: int, out: Path) -> dict:
         calls.append(cand.key)
         return truth[cand.key].truncated(k)
 
-    result = run_search(problem, replay, ProfileCache(None, "replay"), SearchConfig(min_steps=1, max_steps=steps), plan)
+    result = run_search(problem, replay, ProfileCache(None, "replay"),
+                        SearchConfig(min_steps=max(1, steps // 2), max_steps=steps * rounds), plan)
     chosen = result.chosen.candidate.key
     ratios = [plan.memory[k].total / m.peak_memory_bytes for k, m in ok.items() if m.peak_memory_bytes]
     raw_err = [abs(predict(plan.terms[k]) - m.step_time_s) / m.step_time_s for k, m in ok.items()]
     cal_err = [abs(predict(plan.terms[k], result.calibration) - m.step_time_s) / m.step_time_s for k, m in ok.items()]
     full = fit_calibration([(plan.terms[k], m.step_time_s) for k, m in ok.items()])
+    round_gaps = [r[chosen].step_time_s / r[best_key].step_time_s - 1 for r in per_round]
+    spread = [max(r[k].step_time_s for r in per_round) / min(r[k].step_time_s for r in per_round) - 1 for k in ok]
     return {
         "world_size": world, "space": plan.space.size, "feasible": len(plan.feasible), "ran": len(ok),
-        "failed": {k: m.reason for k, m in truth.items() if not m.ok},
+        "rounds": rounds, "failed": {k: m.reason for k, m in truth.items() if not m.ok},
         "best": best_key, "best_s": ok[best_key].step_time_s, "chosen": chosen, "chosen_s": ok[chosen].step_time_s,
-        "gap": ok[chosen].step_time_s / ok[best_key].step_time_s - 1, "profiled": result.profiled,
+        "gap": ok[chosen].step_time_s / ok[best_key].step_time_s - 1, "round_gaps": round_gaps,
+        "round_spread_median": statistics.median(spread), "profiled": result.profiled,
         "profiled_fraction": result.profiled_fraction, "profile_runs": len(calls),
         "memory_ratio_min": min(ratios), "memory_ratio_max": max(ratios),
         "memory_ratio_median": statistics.median(ratios),
@@ -128,18 +156,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench_search"))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per candidate and round")
+    parser.add_argument("--rounds", type=int, default=3, help="times every candidate is profiled, round-robin")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [evaluate(w, args.steps, args.out) for w in args.world_sizes]
+    rows = [evaluate(w, args.steps, args.rounds, args.out) for w in args.world_sizes]
     scale = at_scale()
     (args.out / "bench_search.json").write_text(json.dumps({"cpu": rows, "scale": scale}, indent=2, default=str))
-    lines = ["| world | space | feasible | ran | profiled | best (exhaustive) | chosen | gap | mem pred/peak min | median | "
-             "time err raw | calibrated (search) | calibrated (all) |", "|" + "---|" * 13]
+    lines = ["| world | space | feasible | ran | profiled | best (exhaustive) | chosen | gap | gap per round | "
+             "round-to-round spread (median) | mem pred/peak min | median | time err raw | calibrated (search) | "
+             "calibrated (all) |", "|" + "---|" * 15]
     for r in rows:
         lines.append(f"| {r['world_size']} | {r['space']} | {r['feasible']} | {r['ran']} | {r['profiled']} "
                      f"({r['profiled_fraction']:.0%}) | {r['best']} {r['best_s'] * 1e3:.0f} ms | {r['chosen']} "
-                     f"{r['chosen_s'] * 1e3:.0f} ms | {r['gap']:+.1%} | {r['memory_ratio_min']:.2f} | "
+                     f"{r['chosen_s'] * 1e3:.0f} ms | {r['gap']:+.1%} | {' '.join(f'{g:+.0%}' for g in r['round_gaps'])} | "
+                     f"{r['round_spread_median']:.0%} | {r['memory_ratio_min']:.2f} | "
                      f"{r['memory_ratio_median']:.2f} | {r['time_err_uncalibrated']:.0%} | "
                      f"{r['time_err_search_calibrated']:.0%} | {r['time_err_fit_all']:.0%} |")
     targets = all(r["gap"] <= 0.05 and r["profiled_fraction"] <= 0.25 and r["memory_ratio_min"] >= 1.0 for r in rows)

@@ -49,9 +49,24 @@ def test_compute_per_step_is_model_flops_at_peak():
 
 def test_overlap_hides_gradient_sync():
     c = Candidate(framework="megatron", layout=ParallelLayout(tp=8, pp=8, dp=8), micro_batch_size=1)
-    exposed = cost_terms(LLAMA70B, TRAIN, CLUSTER, c, NPU).seconds["dp_comm"]
-    hidden = cost_terms(LLAMA70B, TRAIN, CLUSTER, c, NPU, CostOptions(overlap_grad_reduce=True)).seconds["dp_comm"]
-    assert hidden < exposed
+    exposed = cost_terms(LLAMA70B, TRAIN, CLUSTER, c, NPU).seconds["dp_allreduce"]
+    hidden = cost_terms(LLAMA70B, TRAIN, CLUSTER, c, NPU, CostOptions(overlap_grad_reduce=True)).seconds["dp_allreduce"]
+    assert 0 <= hidden < exposed
+
+
+def test_zero2_and_zero3_reduce_every_micro_batch_zero1_once_per_step():
+    """DeepSpeed ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward, ZeRO-1 and the
+    distributed optimizer once per step: with gradient accumulation the former cost m times more."""
+    def rs(sharding, mbs):
+        c = Candidate(framework="deepspeed", layout=ParallelLayout(tp=1, pp=1, dp=64, sharding=sharding),
+                      micro_batch_size=mbs)
+        return cost_terms(LLAMA70B, TRAIN, ClusterShape(device_count=64, devices_per_node=8), c, NPU).seconds
+
+    m1, m4 = TRAIN.global_batch_size // 64, TRAIN.global_batch_size // (64 * 4)
+    assert rs("zero1", 1)["dp_reduce_scatter"] == pytest.approx(rs("zero1", 4)["dp_reduce_scatter"])
+    assert rs("zero2", 1)["dp_reduce_scatter"] == pytest.approx(rs("zero2", 4)["dp_reduce_scatter"] * m1 / m4)
+    assert rs("zero3", 1)["zero3_gather"] > 0 == rs("zero2", 1)["zero3_gather"]
+    assert rs("zero1", 1)["dp_allreduce"] == 0 < rs("none", 1)["dp_allreduce"]
 
 
 def test_calibration_recovers_hidden_factors_and_improves_ranking():
@@ -62,10 +77,11 @@ def test_calibration_recovers_hidden_factors_and_improves_ranking():
     train, cluster, device = TrainingShape(global_batch_size=64), ClusterShape(device_count=16, devices_per_node=8), load_profile("h100")
     space = enumerate_space(model, train, cluster, SpaceOptions(frameworks=("megatron",), recompute=("none",)))
     all_terms = [cost_terms(model, train, cluster, c, device) for c in space.valid]
-    truth_factors = {t: 1.0 for t in TERMS} | {"compute": 1.6, "overhead": 3.0, "tp_comm": 1.4, "dp_comm": 0.7}
+    truth_factors = {t: 1.0 for t in TERMS} | {"compute": 1.6, "overhead_megatron": 3.0, "tp_comm": 1.4, "dp_allreduce": 0.7,
+                                                "dp_reduce_scatter": 0.7, "dp_allgather": 0.7}
     truth = Calibration(factors=truth_factors)
     rng = random.Random(0)
-    picked = rng.sample(range(len(all_terms)), 12)
+    picked = rng.sample(range(len(all_terms)), 16)  # 9 free factors
     calibration = fit_calibration([(all_terms[i], predict(all_terms[i], truth)) for i in picked], ridge=1e-4)
     rest = [t for i, t in enumerate(all_terms) if i not in picked]
     raw = max(abs(predict(t) - predict(t, truth)) / predict(t, truth) for t in rest)

@@ -21,8 +21,9 @@ MODEL = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_att
 PROBLEM = Problem(model=MODEL, train=TrainingShape(global_batch_size=64), cluster=ClusterShape(device_count=16, devices_per_node=8),
                   device=load_profile("h100"), space=SpaceOptions(recompute=("none",), context_parallel=(1,)))
 # The "hardware": analytic terms scaled by factors the search does not know.
-TRUTH = Calibration(factors={"compute": 1.7, "bubble": 1.7, "overhead": 4.0, "tp_comm": 1.5, "cp_comm": 1.0,
-                             "ep_comm": 1.0, "pp_comm": 2.0, "dp_comm": 0.8, "optimizer": 1.0})
+TRUTH = Calibration(factors={"compute": 1.7, "bubble": 1.7, "overhead_megatron": 4.0, "overhead_deepspeed": 6.0,
+                             "tp_comm": 1.5, "cp_comm": 1.0, "ep_comm": 1.0, "pp_comm": 2.0, "dp_allreduce": 0.8,
+                             "dp_reduce_scatter": 0.8, "dp_allgather": 0.8, "zero3_gather": 1.2, "optimizer": 1.0})
 
 
 class FakeHardware:
