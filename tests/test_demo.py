@@ -28,7 +28,9 @@ def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     summary = json.loads((work / "summary.json").read_text())
     assert summary["ok"] is True
     assert [s["status"] for s in summary["stages"]] == ["succeeded"] * len(summary["stages"])
-    assert "all stages passed" in (work / "summary.md").read_text()
+    summary_md = (work / "summary.md").read_text()
+    assert "all stages passed" in summary_md
+    assert "(chosen by the search stage)" in summary_md  # the demo leaves the target layout to the search
     assert list((work / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run missing"
     assert list((work / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard events missing"
     for stage in summary["stages"]:

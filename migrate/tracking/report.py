@@ -20,6 +20,18 @@ def _format_metric(value: Any) -> str:
     return str(value)
 
 
+def _target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
+    """The target layout as the job states it, else as the search stage chose it, else still open."""
+    from migrate.stages._target import target_layout
+
+    upstream = {r.artifact.stage: r.artifact for r in records if r.artifact.status.ok}
+    try:
+        layout, where = target_layout(job, upstream)
+    except (ValueError, OSError, KeyError):
+        return "layout to be chosen by search"
+    return f"layout {layout.describe()}" + ("" if where == "target.layout" else " (chosen by the search stage)")
+
+
 def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> str:
     """Markdown: the job, a table of stages (status, verdict, time, reasons), then each stage's own summary."""
     spec = job.spec
@@ -33,7 +45,7 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
         f"- source: {src.cluster.device_count} x {src.cluster.device_type} ({src.cluster.resolved_backend}), "
         f"layout {src.layout.to_layout().describe()}",
         f"- target: {tgt.device_count} x {tgt.device_type} ({tgt.resolved_backend}), "
-        + (f"layout {tgt.layout.to_layout().describe()}" if tgt.layout else "layout to be chosen by search")
+        + _target_layout_line(job, records)
         + f", Ray {tgt.ray.address}",
         f"- model: {spec.model.architecture}, {spec.model.num_layers} layers, hidden {spec.model.hidden_size}",
     ]
