@@ -25,7 +25,8 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
     return {
         "path": index.root,
         "format": index.format,
-        "layout": {"dp": meta.get("dp"), "zero_stage": meta.get("stage"), "tp": 1, "pp": 1},
+        "layout": {"dp": meta.get("dp"), "zero_stage": meta.get("stage"), "tp": meta.get("tp") or 1,
+                   "pp": meta.get("pp") or 1, "vpp": meta.get("vpp") or 1, "ep": meta.get("ep") or 1},
         "tag": meta.get("tag"),
         "tensors": len(index.entries),
         "params": kinds.get(str(Kind.PARAM), 0) or kinds.get(str(Kind.MASTER), 0),
@@ -47,7 +48,8 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join([
         f"{info['path']}",
         f"  format      {info['format']} (tag {info['tag']})",
-        f"  layout      dp={lay['dp']} zero_stage={lay['zero_stage']} tp={lay['tp']} pp={lay['pp']}",
+        f"  layout      dp={lay['dp']} zero_stage={lay['zero_stage']} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
+        f"ep={lay['ep']}",
         f"  tensors     {info['tensors']} ({info['params']} params) in {info['files']} files, "
         f"{info['bytes'] / 2**20:.2f} MiB",
         f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",
