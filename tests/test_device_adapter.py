@@ -85,3 +85,33 @@ def test_numpy_split_sizes_reach_gloo_as_ints():
     wrapped = cpu_adapter._split_sizes_as_ints(fake)
     wrapped(torch.empty(3), torch.empty(3), np.array([1, 2]), torch.tensor([2, 1]))
     assert seen == {"out": [1, 2], "inp": [2, 1]} and all(type(v) is int for v in seen["out"] + seen["inp"])
+
+
+def test_uneven_gloo_gathers_and_scatters_are_padded_then_sliced():
+    """Two simulated ranks holding 3 and 1 rows: the original collective sees only even (3-row)
+    pieces, and the caller gets its uneven pieces back."""
+    rank_rows = [torch.arange(6.0).view(3, 2), torch.tensor([[7.0, 8.0]])]
+    seen = []
+
+    def fake_all_gather(tensor_list, tensor, group=None, async_op=False):
+        seen.append([tuple(t.shape) for t in [*tensor_list, tensor]])
+        for out, rows in zip(tensor_list, rank_rows):
+            out.copy_(cpu_adapter._padded(rows, out.shape[0]))
+
+    outputs = [torch.empty(3, 2), torch.empty(1, 2)]
+    cpu_adapter._uneven_all_gather(fake_all_gather)(outputs, rank_rows[1])
+    assert seen == [[(3, 2), (3, 2), (3, 2)]]
+    assert torch.equal(outputs[0], rank_rows[0]) and torch.equal(outputs[1], rank_rows[1])
+
+    def fake_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+        seen.append([tuple(t.shape) for t in [output, *input_list]])
+        output.copy_(input_list[1] * 2)  # this rank's piece, summed over two identical ranks
+
+    out = torch.empty(1, 2)
+    cpu_adapter._uneven_reduce_scatter(fake_reduce_scatter)(out, [torch.ones(3, 2), torch.full((1, 2), 5.0)])
+    assert seen[-1] == [(3, 2), (3, 2), (3, 2)] and torch.equal(out, torch.full((1, 2), 10.0))
+
+    even = []
+    cpu_adapter._uneven_all_gather(lambda tl, t, group=None, async_op=False: even.append(len(tl)))(
+        [torch.empty(2), torch.empty(2)], torch.ones(2))
+    assert even == [2]  # even pieces reach the original untouched

@@ -25,11 +25,13 @@ def test_fsdp2_trains_saves_dcp_and_resumes_bit_identically(tmp_path, world_size
     assert resumed[0].start_step == 2 and resumed[0].losses == losses[2:]
 
 
-def test_fsdp_engine_refuses_model_parallel_layouts():
+def test_fsdp_engine_refuses_pipeline_and_expert_parallel_layouts():
     from migrate.workload.fsdp_engine import train_fsdp
 
     class Ctx:
         device_type, world_size, rank, device = "cpu", 2, 0, "cpu"
 
-    with pytest.raises(ValueError, match=r"tp\(2\)"):
-        train_fsdp(Ctx(), _spec(steps=1, tp=2))
+    with pytest.raises(ValueError, match=r"pp\(2\) ep\(1\)"):
+        train_fsdp(Ctx(), _spec(steps=1, pp=2))
+    with pytest.raises(ValueError, match=r"world_size\(2\) is not divisible by tp\(4\)"):
+        train_fsdp(Ctx(), _spec(steps=1, tp=4))

@@ -16,7 +16,17 @@
 * `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None (it is referenced
   without Transformer Engine);
 * `torch.distributed.all_to_all_single` split sizes given as NumPy arrays or tensors (the
-  MoE dispatcher) -> lists of ints.
+  MoE dispatcher) -> lists of ints;
+* `torch.distributed.all_gather` / `reduce_scatter` with pieces of different lengths along
+  dim 0 (the MoE alltoall dispatcher at tp > 1 gathers/scatters each TP rank's routed tokens
+  with `output_split_sizes`): Gloo refuses them ("ProcessGroupGloo::allgather: invalid tensor
+  size"), so every piece is zero-padded to the longest, moved with one even collective and
+  sliced back. Even pieces go to the original call unchanged.
+
+Sequence parallel on the CPU needs no patch: the engine builds its norms with
+`migrate.workload.megatron_norm.SequenceParallelTorchNorm` (torch norms whose params are
+marked `sequence_parallel`, as Apex's FusedLayerNorm does), because 0.16.1's own torch
+fallback, `WrappedTorchNorm`, asserts `not config.sequence_parallel`.
 
 Verified against megatron-core `VERIFIED_MEGATRON_CORE` on torch 2.13 (CPU); another
 version raises unless `allow_other_versions=True`.
@@ -161,6 +171,49 @@ def _split_sizes_as_ints(original: Callable) -> Callable:
     return all_to_all_single
 
 
+def _uneven(tensors: list[torch.Tensor]) -> bool:
+    return len({tuple(t.shape) for t in tensors}) > 1
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _uneven_all_gather(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> Any:
+        if not _uneven([*tensor_list, tensor]) or async_op:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in [*tensor_list, tensor])
+        gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(gathered, _padded(tensor, rows), group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None, group: Any = None,
+                       async_op: bool = False) -> Any:
+        op = torch.distributed.ReduceOp.SUM if op is None else op
+        if not _uneven([*input_list, output]) or async_op:
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in [*input_list, output])
+        padded = [_padded(t, rows) for t in input_list]
+        result = output.new_empty((rows, *output.shape[1:]))
+        original(result, padded, op=op, group=group)
+        output.copy_(result[: output.shape[0]])
+        return None
+
+    return reduce_scatter
+
+
 def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
@@ -193,6 +246,10 @@ def planned_patches() -> list[Patch]:
         Patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type), "CPU types reported under CUDA names"),
         Patch(torch.distributed, "all_to_all_single", _split_sizes_as_ints(torch.distributed.all_to_all_single),
               "NumPy/tensor split sizes -> list of ints (MoE alltoall dispatcher)"),
+        Patch(torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather),
+              "uneven pieces padded to the longest (Gloo refuses uneven all_gather; MoE at tp > 1)"),
+        Patch(torch.distributed, "reduce_scatter", _uneven_reduce_scatter(torch.distributed.reduce_scatter),
+              "uneven pieces padded to the longest (Gloo refuses uneven reduce_scatter; MoE at tp > 1)"),
     ]
     patches += [Patch(torch, name, _redirect_device_kwarg(getattr(torch, name)), "CUDA device kwarg -> CPU")
                 for name in FACTORIES]

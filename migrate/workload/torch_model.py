@@ -56,14 +56,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s = self.spec
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, s.num_attention_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.num_query_groups, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.num_query_groups, s.head_dim).transpose(1, 2)
+        # Head counts come from the projections' widths (-1), so under DTensor tensor parallelism
+        # (column-split q/k/v, see tensor_parallel.py) each rank runs its own heads/tp heads.
+        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = s.num_attention_heads // s.num_query_groups
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.hidden_size))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
