@@ -74,6 +74,11 @@ def job_target_layout(cand: Candidate) -> dict:
     return cand.layout.to_dict()
 
 
+def job_target_section(cand: Candidate) -> dict:
+    """The part of a migrate job's ``target`` section the plan decides: ``layout`` and ``micro_batch_size``."""
+    return {"layout": job_target_layout(cand), "micro_batch_size": cand.micro_batch_size}
+
+
 def write_configs(directory: str | Path, model: ModelShape, train: TrainingShape, cand: Candidate,
                   *, overlap_grad_reduce: bool = False) -> dict[str, Path]:
     """Write ``megatron_args.txt`` (megatron candidates), ``deepspeed.json`` and ``target_layout.yaml``."""
@@ -89,6 +94,6 @@ def write_configs(directory: str | Path, model: ModelShape, train: TrainingShape
     paths["deepspeed"] = directory / "deepspeed.json"
     paths["deepspeed"].write_text(json.dumps(deepspeed_config(train, cand), indent=2) + "\n", encoding="utf-8")
     paths["target_layout"] = directory / "target_layout.yaml"
-    paths["target_layout"].write_text(yaml.safe_dump({"target": {"layout": job_target_layout(cand)}}, sort_keys=False),
+    paths["target_layout"].write_text(yaml.safe_dump({"target": job_target_section(cand)}, sort_keys=False),
                                       encoding="utf-8")
     return paths

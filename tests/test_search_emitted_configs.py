@@ -3,6 +3,7 @@ and the built-in workloads started from them at the chosen layout."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,6 +16,7 @@ from parallel_search.spec import ModelShape, TrainingShape
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                    vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
+REPO = Path(__file__).resolve().parents[1]
 TRAIN = TrainingShape(global_batch_size=8, precision="fp32")
 
 
@@ -37,6 +39,28 @@ def test_deepspeed_json_and_target_layout_validate():
     assert config["zero_optimization"]["stage"] == 2
     section = LayoutSection(**job_target_layout(cand))
     assert section.to_layout() == cand.layout
+
+
+def test_emitted_target_section_carries_the_micro_batch_into_a_valid_job(tmp_path):
+    """The job fragment the search writes is the job's whole `target` decision: layout and micro batch;
+    a job given it validates, and a micro batch the global batch cannot take is refused naming both."""
+    from migrate.job.load import JobError, load_job
+
+    cand = Candidate(framework="deepspeed", layout=ParallelLayout(dp=2, sharding=OptimizerSharding.ZERO1),
+                     micro_batch_size=2)
+    paths = write_configs(tmp_path / "chosen", SHAPE, TRAIN, cand)
+    fragment = yaml.safe_load(paths["target_layout"].read_text())["target"]
+    assert fragment == {"layout": cand.layout.to_dict(), "micro_batch_size": 2}
+    base = yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text())
+    base["target"].update(fragment)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(base))
+    job = load_job(tmp_path / "job.yaml")
+    assert job.spec.target.layout.to_layout() == cand.layout and job.spec.target.micro_batch_size == 2
+    base["target"]["micro_batch_size"] = 3
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(base))
+    with pytest.raises(JobError, match=r"target.layout: training.global_batch_size\(8\) is not a multiple of "
+                                       r"micro_batch_size\(3\) \* dp\(2\) = 6"):
+        load_job(tmp_path / "bad.yaml")
 
 
 @pytest.mark.slow

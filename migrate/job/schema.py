@@ -128,6 +128,9 @@ class TargetSection(ClusterSection):
     ray: RaySection = RaySection()
     device_profile: str | None = None
     layout: LayoutSection | None = None
+    micro_batch_size: PositiveInt | None = Field(
+        default=None, description="the target run's micro batch; default: training.micro_batch_size (the global "
+                                  "batch is kept, gradient accumulation follows)")
     timeout_s: PositiveFloat = Field(default=300.0, description="limit for one call on the worker group")
 
     @model_validator(mode="after")
@@ -229,12 +232,13 @@ class TrainingSection(Section):
     seed: int = Field(default=1234, ge=0)
     train_steps: PositiveInt = 100
 
-    def check_layout(self, layout: ParallelLayout, where: str) -> list[str]:
-        per_step = self.micro_batch_size * layout.dp
+    def check_layout(self, layout: ParallelLayout, where: str, micro_batch_size: int | None = None) -> list[str]:
+        micro = micro_batch_size or self.micro_batch_size
+        per_step = micro * layout.dp
         if self.global_batch_size % per_step:
             return [
                 f"{where}: training.global_batch_size({self.global_batch_size}) is not a multiple of "
-                f"micro_batch_size({self.micro_batch_size}) * dp({layout.dp}) = {per_step}"
+                f"micro_batch_size({micro}) * dp({layout.dp}) = {per_step}"
             ]
         return []
 
@@ -270,12 +274,12 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobSpec":
         problems: list[str] = []
-        layouts = [("source.layout", self.source.layout.to_layout())]
+        layouts = [("source.layout", self.source.layout.to_layout(), None)]
         if self.target.layout is not None:
-            layouts.append(("target.layout", self.target.layout.to_layout()))
-        for where, layout in layouts:
+            layouts.append(("target.layout", self.target.layout.to_layout(), self.target.micro_batch_size))
+        for where, layout, micro in layouts:
             problems += self.model.check_layout(layout, where)
-            problems += self.training.check_layout(layout, where)
+            problems += self.training.check_layout(layout, where, micro)
         if problems:
             raise ValueError("; ".join(problems))
         return self

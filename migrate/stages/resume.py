@@ -15,7 +15,6 @@ state (`checkpoint.state.faults`) so the checks can be seen to fail with the rig
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -153,15 +152,6 @@ def checkpoint_step(path: str | Path) -> int:
     raise ValueError(f"{path}: no step counter in the checkpoint's metadata (keys {sorted(meta)})")
 
 
-def _searched_micro_batch(upstream: Mapping[str, Any]) -> int | None:
-    """The micro-batch size the search stage chose (its deepspeed.json next to target_layout.yaml), if any."""
-    search = upstream.get("search")
-    if search is None or "target_layout" not in search.outputs:
-        return None
-    config = Path(search.outputs["target_layout"]).with_name("deepspeed.json")
-    return int(json.loads(config.read_text())["train_micro_batch_size_per_gpu"]) if config.is_file() else None
-
-
 def _launch(ctx: StageContext, spec: Any, world_size: int, env: Mapping[str, str]) -> list[Any]:
     from migrate.workload.engines import rank_entry
 
@@ -172,7 +162,7 @@ def _launch(ctx: StageContext, spec: Any, world_size: int, env: Mapping[str, str
 def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.state.faults import inject_fault
     from checkpoint.state.training_state import STATE_REPORT_FILE
-    from migrate.stages._target import target_layout
+    from migrate.stages._target import target_layout, target_micro_batch
     from migrate.stages.convert import source_checkpoint
     from migrate.workload.from_job import default_engine, run_spec, side_layout
 
@@ -191,7 +181,7 @@ def run(ctx: StageContext) -> StageOutcome:
     steps = start + options.steps
     src_layout = side_layout(job, "baseline")
     dst_layout, _ = target_layout(ctx.job, ctx.upstream)
-    dst_micro_batch = _searched_micro_batch(ctx.upstream) or job.training.micro_batch_size
+    dst_micro_batch, _ = target_micro_batch(ctx.job, ctx.upstream)
     env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
     runs = {}
     for side, layout, load in (("baseline", src_layout, source), ("target", dst_layout, converted)):
@@ -199,9 +189,7 @@ def run(ctx: StageContext) -> StageOutcome:
         path = ctx.work_dir / ("metrics.jsonl" if side == "target" else "baseline_metrics.jsonl")
         path.unlink(missing_ok=True)
         spec = run_spec(job, layout, engine=engine, steps=steps, save_dir=None, load_dir=str(load), save_every=0,
-                        metrics_path=str(path))
-        if side == "target" and dst_micro_batch != spec.train.micro_batch_size:
-            spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, micro_batch_size=dst_micro_batch))
+                        metrics_path=str(path), micro_batch_size=dst_micro_batch if side == "target" else None)
         runs[side] = Continuation.from_results(layout.describe(), _launch(ctx, spec, layout.world_size, env))
     report_path = converted / STATE_REPORT_FILE
     state_report = json.loads(report_path.read_text()) if report_path.is_file() else None

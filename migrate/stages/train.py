@@ -115,7 +115,7 @@ def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> St
     spec = run_spec(
         job, layout, engine=engine, steps=steps, save_dir=str(side_dir / "checkpoints"),
         load_dir=str(ctx.job.resolve(options.load)) if options.load else None,
-        save_every=options.save_every, metrics_path=str(metrics_path),
+        save_every=options.save_every, metrics_path=str(metrics_path), micro_batch_size=_micro_batch(ctx, options),
     )
     env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
     with ctx.worker_group(world_size=layout.world_size, env=env) as group:
@@ -154,7 +154,7 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
         "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep, "vpp": layout.vpp,
         "world_size": layout.world_size, "load": str(ctx.job.resolve(options.load)) if options.load else "",
         "save": str(side_dir / "checkpoints"), "steps": steps, "seed": job.training.seed,
-        "global_batch_size": job.training.global_batch_size, "micro_batch_size": job.training.micro_batch_size,
+        "global_batch_size": job.training.global_batch_size, "micro_batch_size": _micro_batch(ctx, options),
         "nproc_per_node": min(per_node, layout.world_size), "nnodes": max(1, layout.world_size // per_node),
     }
     argv = render_command(options.command or "", values)
@@ -183,6 +183,17 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
         reasons.append(f"no training metrics found in {results[0].log_path}")
     return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, reasons=tuple(reasons), summary_md=summary,
                         outputs={"metrics": str(metrics_path), "logs": str(log_dir), "checkpoint_dir": str(side_dir / "checkpoints")})
+
+
+def _micro_batch(ctx: StageContext, options: TrainOptions) -> int:
+    """The baseline's training micro batch; for the target, the job's target one or the search stage's choice."""
+    if options.side == "baseline":
+        return ctx.job.spec.training.micro_batch_size
+    from migrate.pipeline.runner import read_artifact
+    from migrate.stages._target import target_micro_batch
+
+    search = ctx.upstream.get("search") or read_artifact(ctx.job, "search")
+    return target_micro_batch(ctx.job, {"search": search} if search is not None else {})[0]
 
 
 def _layout(ctx: StageContext, options: TrainOptions) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
@@ -63,17 +64,33 @@ def default_engine(job: JobSpec, layout: ParallelLayout) -> Engine:
 
 def run_spec(
     job: JobSpec, layout: ParallelLayout, *, engine: Engine, steps: int, save_dir: str | None,
-    load_dir: str | None, save_every: int, metrics_path: str | None,
+    load_dir: str | None, save_every: int, metrics_path: str | None, sequence_parallel: bool = False,
+    micro_batch_size: int | None = None,
 ) -> RunSpec:
-    """The RunSpec that trains ``job``'s model at ``layout`` with ``engine``; checks the pairing."""
+    """The RunSpec that trains ``job``'s model at ``layout`` with ``engine`` (and ``micro_batch_size``,
+    default the job's training one); checks the pairing.
+
+    fsdp runs dp x tp (FSDP2 on dp, DTensor TP on tp, TP ranks adjacent as in the layout order
+    tp before dp); `sequence_parallel` applies at tp > 1 for megatron and fsdp."""
     if engine == "deepspeed" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
         raise ValueError(f"engine deepspeed runs data parallel only (ZeRO); layout {layout.describe()} needs megatron")
-    if engine == "fsdp" and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1):
-        raise ValueError(f"engine fsdp runs data parallel only here; layout {layout.describe()} needs megatron")
+    if engine == "fsdp" and (layout.pp > 1 or layout.ep > 1):
+        raise ValueError(f"engine fsdp runs dp x tp (FSDP2 + DTensor TP); layout {layout.describe()} has "
+                         f"pp({layout.pp}) ep({layout.ep}) and needs megatron")
+    if engine == "fsdp" and layout.tp > 1:
+        axes = layout.order.split("-")
+        if axes.index("tp") > axes.index("dp"):
+            raise ValueError(f"engine fsdp puts the TP ranks of a replica next to each other; layout order "
+                             f"{layout.order!r} places dp before tp")
+        from migrate.workload.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(model_spec(job), layout.tp, sequence_parallel)
     return RunSpec(
-        engine=engine, model=model_spec(job), train=train_spec(job), steps=steps,
+        engine=engine, model=model_spec(job), steps=steps,
+        train=dataclasses.replace(train_spec(job), micro_batch_size=micro_batch_size or job.training.micro_batch_size),
         tp=layout.tp, pp=layout.pp, ep=layout.ep, vpp=layout.vpp,
         zero_stage=layout.zero_stage if engine == "deepspeed" else 0,
         distributed_optimizer=engine == "megatron" and layout.distributed_optimizer,
         save_dir=save_dir, load_dir=load_dir, save_every=save_every, metrics_path=metrics_path,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
     )
