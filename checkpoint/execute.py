@@ -2,15 +2,18 @@
 
 Call sequence (coordinator = the caller of `execute`):
 1. coordinator: check the destination is absent or empty, create it;
-2. workers (inline, a local process pool, or any `map_fn` such as Ray tasks): for each target file
-   allocate its buffers, fill them from memory-mapped source files, let the writer assemble the
-   file's object, save it to a temporary name, fsync, rename; return its sha256. For an `in_place`
-   writer the object is saved without tensor data first and each copy item's bytes go straight to
-   their place in that file (kernel file-to-file copies where possible), so a worker holds at most
-   one tensor; inline, each written file is hashed in a thread while the next one is written;
+2. workers (by default two threads of this process for in-place/streaming writers, else inline; a
+   local process pool, or any `map_fn` such as Ray tasks): for each target file allocate its
+   buffers, fill them from memory-mapped source files, let the writer assemble the file's object,
+   save it to a temporary name, fsync, rename; return its CRC-32. For an `in_place` writer the
+   object is saved without tensor data first and each copy item's bytes go straight to their place
+   in that file (kernel file-to-file copies where possible); a `streaming` writer gets buffers
+   filled one at a time, as it asks for them, and writes each before asking for the next: either
+   way a worker holds at most one tensor. An in-place file's CRC comes from the one pass that fills
+   in its zip records' CRCs; any other file is read back once for its CRC;
 3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
    DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
-   (files, sizes, sha256) last, fsynced: the commit point.
+   (files, sizes, CRC-32) last, fsynced: the commit point.
 On any error the coordinator removes what it wrote, so nothing that looks complete is left; the
 source is only ever opened read-only.
 """
@@ -18,7 +21,6 @@ source is only ever opened read-only.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import hashlib
 import io
 import json
@@ -32,7 +34,6 @@ import sys
 import time
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+import numpy
 import torch
 
 from checkpoint import safe_load
@@ -47,8 +49,13 @@ from checkpoint.errors import CheckpointError, CheckpointFormatError, Destinatio
 from checkpoint.index import KeyPath
 from checkpoint.plan import ConversionPlan, CopyItem, TargetFile
 
+try:  # ISA-L's CRC-32 (carry-less multiply, ~10 GB/s, GIL released); zlib's gives the same values, slower
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the same function
+    from zlib import crc32 as _crc32
+
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: a CRC-32 per file (1: sha256; verify_manifest checks either)
 
 
 class Writer(Protocol):
@@ -60,7 +67,11 @@ class Writer(Protocol):
     A writer with `in_place = True` promises that `assemble` returns a torch-saveable object holding
     every buffer unchanged at its key path: the executor then saves the object without tensor data
     and streams each copy item into the file (`_write_in_place`), so memory stays bounded by the
-    largest tensor, not by the file.
+    largest tensor, not by the file. 0-d buffers (e.g. Adam's step) are the exception: they arrive
+    filled, and the writer may store them as tensors at their key path or as Python numbers.
+    A writer with `streaming = True` gets a mapping that fills a buffer when it is looked up (anew
+    on every lookup, nothing kept) and must return a `StreamPayload` that looks up each buffer once
+    and writes it before looking up the next, so memory stays bounded by the largest tensor.
     """
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
@@ -86,7 +97,7 @@ MapFn = Callable[[Callable[..., Any], Sequence[tuple[Any, ...]]], list[Any]]
 class FileRecord:
     path: str
     nbytes: int
-    sha256: str
+    crc32: str  # the file's CRC-32 (zlib's), 8 hex digits; empty while a caller computes it
     extra: Any = None  # what the file's StreamPayload returned (for Writer.finalize)
 
 
@@ -158,7 +169,8 @@ class _Sources:
 
     Byte-range keys load one stored tensor, kept in a small cache (at most `cache_bytes`, least
     recently used evicted) since several copy items often read the same stored tensor; safetensors
-    keys open the file with `safe_open` (mmap).
+    keys read the one tensor's bytes at the offsets the file's header gives (no mapping of the file,
+    whose touched pages would stay resident).
     """
 
     def __init__(self, root: Path, trust_checkpoint: bool, cache_bytes: int = 256 << 20) -> None:
@@ -190,20 +202,58 @@ class _Sources:
         if key and key[0] == BYTE_RANGE:
             return self._range(file, int(key[1]), int(key[2]))
         if key and key[0] == SAFETENSORS:
-            from safetensors import safe_open
-
             if file not in self.cache:
-                self.cache[file] = safe_open(str(self.root / file), framework="pt", device="cpu")
-            try:
-                return self.cache[file].get_tensor(str(key[1]))
-            except Exception as err:  # safetensors raises its own SafetensorError
-                raise CheckpointFormatError(f"{self.root / file}: tensor {key[1]!r} unreadable: {err}") from err
+                self.cache[file] = safetensors_header(self.root / file)
+            return read_safetensor(self.root / file, self.cache[file], str(key[1]))
         if file not in self.cache:
             self.cache[file] = safe_load.load(self.root / file, mmap=True, trust_checkpoint=self.trust)
         t = resolve_key(self.cache[file], key, file=str(self.root / file))
+        if isinstance(t, int) and not isinstance(t, bool):  # a step DeepSpeed's FusedAdam/CPUAdam keep as int
+            return torch.tensor(t, dtype=torch.int64)
         if not isinstance(t, torch.Tensor):
             raise CheckpointFormatError(f"{self.root / file}: {list(key)} is {type(t).__name__}, not a tensor")
         return t
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32,
+                       "U64": torch.uint64}
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The parsed JSON header of a .safetensors file, with `__data_start__`: the byte offset of its data."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise CheckpointFormatError(f"{path}: header of {n} bytes but the file has {size} (truncated?)")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as err:
+        raise CheckpointFormatError(f"{path}: unreadable safetensors header: {err}") from err
+    return {**header, "__data_start__": 8 + n}
+
+
+def read_safetensor(path: Path, header: Mapping[str, Any], name: str) -> torch.Tensor:
+    """Tensor `name` of a .safetensors file, read from its byte range into fresh memory."""
+    spec = header.get(name)
+    if not isinstance(spec, dict) or spec.get("dtype") not in _SAFETENSORS_DTYPES:
+        raise CheckpointFormatError(f"{path}: no readable tensor {name!r} in the header ({spec})")
+    begin, end = spec["data_offsets"]
+    t = torch.empty(spec["shape"], dtype=_SAFETENSORS_DTYPES[spec["dtype"]])
+    want = t.numel() * t.element_size()
+    if end - begin != want:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} spans {end - begin} bytes, shape {spec['shape']} "
+                                    f"{spec['dtype']} needs {want}")
+    view, pos = memoryview(t.reshape(-1).view(torch.uint8).numpy()), header["__data_start__"] + begin
+    with open(path, "rb", buffering=0) as f:
+        while len(view):
+            got = os.preadv(f.fileno(), [view], pos)
+            if got <= 0:
+                raise CheckpointFormatError(f"{path}: tensor {name!r} ends past the end of the file (truncated?)")
+            view, pos = view[got:], pos + got
+    return t
 
 
 def _region(t: torch.Tensor, ref_offset: int, numel: int, *, where: str) -> torch.Tensor:
@@ -214,12 +264,36 @@ def _region(t: torch.Tensor, ref_offset: int, numel: int, *, where: str) -> torc
     return flat[ref_offset:ref_offset + numel]
 
 
+def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor from calloc'd memory (untouched pages cost nothing; big ones go back to the
+    system when freed) rather than torch's fill, which wakes its whole thread pool for every buffer."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(numpy.zeros(max(nbytes, 1), dtype=numpy.uint8))[:nbytes].view(dtype).reshape(tuple(shape))
+
+
+def _copy_bytes(src: torch.Tensor, s: int, dst: torch.Tensor, d: int, n: int) -> bool:
+    """dst.flat[d:d+n] = src.flat[s:s+n] as one memcpy (no thread pool) when both are contiguous and of
+    one dtype; False (nothing copied) otherwise. Callers check the bounds."""
+    if src.dtype != dst.dtype or not src.is_contiguous() or not dst.is_contiguous():
+        return False
+    size = src.element_size()
+    out = dst.reshape(-1).view(torch.uint8).numpy()
+    out[d * size:(d + n) * size] = src.reshape(-1).view(torch.uint8).numpy()[s * size:(s + n) * size]
+    return True
+
+
 def copy_item(item: CopyItem, src: torch.Tensor, dst: torch.Tensor, *, src_where: str) -> None:
     """Copy one item's region from the stored source tensor into the target buffer."""
     if item.flat is not None:
         s, d, n = item.flat
-        _region(dst, d, n, where=f"target {item.dst.file} {list(item.dst.key)}").copy_(
-            _region(src, s, n, where=f"{src_where} {list(item.src.key)} ({item.tensor})"))
+        dview = _region(dst, d, n, where=f"target {item.dst.file} {list(item.dst.key)}")
+        sview = _region(src, s, n, where=f"{src_where} {list(item.src.key)} ({item.tensor})")
+        if not _copy_bytes(src, s, dst, d, n):
+            dview.copy_(sview)
+        return
+    run = _box_run(item)
+    if run is not None and run[0] + run[2] <= src.numel() and run[1] + run[2] <= dst.numel() and \
+            _copy_bytes(src, run[0], dst, run[1], run[2]):
         return
     sview = _region(src, item.src.storage_offset, item.src.numel, where=f"{src_where} {list(item.src.key)}")
     dview = _region(dst, item.dst.storage_offset, item.dst.numel, where=f"target {item.dst.file}")
@@ -237,16 +311,71 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_CHECKSUM_BLOCK = 4 << 20  # bytes read per CRC step: fixed memory, whatever the file
+
+
+def _crc_range(fd: int, start: int, end: int, value: int = 0) -> int:
+    """CRC-32 of bytes [start, end) of an open file, continuing from `value`."""
+    buf = bytearray(min(_CHECKSUM_BLOCK, max(end - start, 1)))
+    view = memoryview(buf)
+    while start < end:
+        n = os.preadv(fd, [view[:min(len(buf), end - start)]], start)
+        if n <= 0:
+            raise OSError(f"read {n} bytes at {start} with {end - start} left (file shrank?)")
+        value, start = _crc32(view[:n], value), start + n
+    return value
+
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 (zlib's polynomial, as zip files use) of a file, as 8 hex digits."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return f"{_crc_range(fd, 0, os.fstat(fd).st_size):08x}"
+    finally:
+        os.close(fd)
+
+
+_CRC_POLY = 0xEDB88320  # reflected CRC-32 polynomial
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (reflected bit order), as zlib's crc32_combine computes it."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
+    p, k, n = 1 << 31, 3, len2
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n, k = n >> 1, k + 1
+    return _multmodp(p, crc1) ^ crc2
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
+        while block := f.read(_CHECKSUM_BLOCK):
             h.update(block)
     return h.hexdigest()
 
 
-def write_atomic(path: Path, payload: Any) -> FileRecord:
-    """Write bytes/str or a torch-saveable object to a temp name, fsync, rename; return its record."""
+def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileRecord:
+    """Write bytes/str, a StreamPayload or a torch-saveable object to a temp name, fsync, rename; return
+    its record (`checksum=False`: with an empty crc32, for the caller to fill)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -257,7 +386,7 @@ def write_atomic(path: Path, payload: Any) -> FileRecord:
             elif isinstance(payload, StreamPayload):
                 extra = payload.write(f)
             else:
-                torch.save(payload, f)
+                torch.save(payload, f, pickle_module=safe_load.PICKLE_MODULE)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -265,7 +394,8 @@ def write_atomic(path: Path, payload: Any) -> FileRecord:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
-    return FileRecord(path=str(path), nbytes=path.stat().st_size, sha256=_sha256(path), extra=extra)
+    return FileRecord(path=str(path), nbytes=path.stat().st_size, crc32=file_crc32(path) if checksum else "",
+                      extra=extra)
 
 
 def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str,
@@ -274,12 +404,15 @@ def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: 
     """Worker step: build one target file from its copy items and write it atomically.
 
     Peak memory: this file's buffers plus the pages of the source regions being copied (for an
-    `in_place` writer: one tensor). `hash_file=False` leaves `sha256` empty for the caller to fill.
+    `in_place` or `streaming` writer: one tensor). `hash_file=False` leaves `crc32` empty for the
+    caller to fill.
     """
     if getattr(writer, "in_place", False) and file.buffers:
         return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
+    if getattr(writer, "streaming", False):
+        return _write_streaming(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
     sources = _Sources(Path(source_root), trust_checkpoint)
-    buffers = {b.key: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}
+    buffers = {b.key: zeros(b.shape, getattr(torch, b.dtype)) for b in file.buffers}
     for it in items:
         if it.dst.key not in buffers:
             raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of that file")
@@ -287,8 +420,53 @@ def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: 
                   src_where=str(Path(source_root) / it.src.file))
     payload = writer.assemble(file, buffers, meta)
     del sources
-    rec = write_atomic(Path(dest_root) / file.path, payload)
-    return FileRecord(path=file.path, nbytes=rec.nbytes, sha256=rec.sha256, extra=rec.extra)
+    rec = write_atomic(Path(dest_root) / file.path, payload, checksum=hash_file)
+    return FileRecord(path=file.path, nbytes=rec.nbytes, crc32=rec.crc32, extra=rec.extra)
+
+
+class _FilledOnLookup(Mapping[KeyPath, torch.Tensor]):
+    """A target file's buffers for a `streaming` writer: each lookup allocates the buffer, copies its
+    items into it (releasing the source pages after) and returns it; nothing is kept."""
+
+    def __init__(self, file: TargetFile, items: Sequence[CopyItem], sources: _Sources, source_root: str) -> None:
+        self.file, self.sources, self.root = file, sources, Path(source_root)
+        self.specs = {b.key: b for b in file.buffers}
+        self.items: dict[KeyPath, list[CopyItem]] = {}
+        for it in items:
+            if it.dst.key not in self.specs:
+                raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of that "
+                                      f"file")
+            self.items.setdefault(it.dst.key, []).append(it)
+
+    def __getitem__(self, key: KeyPath) -> torch.Tensor:
+        b = self.specs[key]
+        buf = zeros(b.shape, getattr(torch, b.dtype))
+        for it in self.items.get(key, ()):
+            src = self.sources.tensor(it.src.file, it.src.key)
+            copy_item(it, src, buf, src_where=str(self.root / it.src.file))
+            if self.sources.mapped(it.src.key) and src.numel() > 1:
+                lo, n = (it.flat[0], it.flat[2]) if it.flat is not None else (it.src.storage_offset, it.src.numel)
+                release_pages(src, lo, n)
+        return buf
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+def _write_streaming(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
+                     meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool = True) -> FileRecord:
+    """Worker step for `streaming` writers: the payload writes buffer after buffer, each filled when looked up."""
+    sources = _Sources(Path(source_root), trust_checkpoint)
+    payload = writer.assemble(file, _FilledOnLookup(file, items, sources, source_root), meta)
+    if not isinstance(payload, (bytes, str, StreamPayload)):
+        raise CheckpointError(f"{file.path}: a streaming writer returned {type(payload).__name__}; it must return a "
+                              f"StreamPayload (or bytes/str)")
+    rec = write_atomic(Path(dest_root) / file.path, payload, checksum=hash_file)
+    del sources
+    return FileRecord(path=file.path, nbytes=rec.nbytes, crc32=rec.crc32, extra=rec.extra)
 
 
 _PAGE = mmap.PAGESIZE
@@ -434,35 +612,70 @@ def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
         view, offset = view[done:], offset + done
 
 
-def _fix_zip_crcs(f: BinaryIO, path: Path) -> None:
-    """Write the CRC-32 of every tensor record into its data descriptor and central-directory entry.
+def _fix_zip_crcs(f: BinaryIO, path: Path) -> int:
+    """Write the CRC-32 of every tensor record into its data descriptor and central-directory entry,
+    and return the CRC-32 of the whole file: each tensor's bytes are read once, the file's CRC
+    combines theirs with that of the bytes around them (read after the fix).
 
     `torch.save` under `skip_data` leaves them 0 (torch.load does not check them; zip tools do).
     """
+    fd = f.fileno()
     with zipfile.ZipFile(path) as z:
         infos, cd_pos = z.infolist(), z.start_dir
+    regions: list[tuple[int, int, int]] = []  # (start, end, crc) of each tensor record's data
     for info in infos:
-        f.seek(cd_pos)
-        head = f.read(46)
+        head = os.pread(fd, 46, cd_pos)
         if head[:4] != b"PK\x01\x02":
             raise CheckpointError(f"{path}: central directory entry of {info.filename} not where expected")
         name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
         if info.CRC == 0 and info.compress_size > 0 and "/data/" in info.filename:
-            f.seek(info.header_offset + 26)
-            local_name, local_extra = struct.unpack("<HH", f.read(4))
+            local_name, local_extra = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
             start = info.header_offset + 30 + local_name + local_extra
-            crc, pos, end = 0, start, start + info.compress_size
-            while pos < end:
-                block = os.pread(f.fileno(), min(1 << 22, end - pos), pos)
-                crc, pos = zlib.crc32(block, crc), pos + len(block)
+            end = start + info.compress_size
+            crc = _crc_range(fd, start, end)
+            regions.append((start, end, crc))
             packed = struct.pack("<I", crc)
-            os.pwrite(f.fileno(), packed, cd_pos + 16)
+            os.pwrite(fd, packed, cd_pos + 16)
             if info.flag_bits & 0x08:  # data descriptor after the data, with or without its signature
-                sig = os.pread(f.fileno(), 4, end)
-                os.pwrite(f.fileno(), packed, end + 4 if sig == b"PK\x07\x08" else end)
+                sig = os.pread(fd, 4, end)
+                os.pwrite(fd, packed, end + 4 if sig == b"PK\x07\x08" else end)
             else:
-                os.pwrite(f.fileno(), packed, info.header_offset + 14)
+                os.pwrite(fd, packed, info.header_offset + 14)
         cd_pos += 46 + name_len + extra_len + comment_len
+    value, pos = 0, 0
+    for start, end, crc in sorted(regions):
+        value = crc32_combine(_crc_range(fd, pos, start, value), crc, end - start)
+        pos = end
+    return _crc_range(fd, pos, os.fstat(fd).st_size, value)
+
+
+def _run_in(lengths: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> int | None:
+    """Element offset of the box [starts, starts + counts) of a row-major tensor of `lengths` when the
+    box is one contiguous run (leading dims of count 1, then one partial dim, then full dims), else None."""
+    k = next((i for i, c in enumerate(counts) if c != 1), len(counts))
+    if any(counts[j] != lengths[j] for j in range(k + 1, len(lengths))):
+        return None
+    offset, stride = 0, 1
+    for n, st in zip(reversed(lengths), reversed(starts)):
+        offset, stride = offset + st * stride, stride * n
+    return offset
+
+
+def _box_run(item: CopyItem) -> tuple[int, int, int] | None:
+    """(source element offset, target element offset, count) of a box item that moves one contiguous
+    run in both chunks (e.g. a whole tensor, or a range of dim-0 rows), else None."""
+    slen, dlen = tuple(item.src.lengths), tuple(item.dst.lengths)
+    if len(slen) != len(dlen):
+        return None
+    s_start, d_start, s_count, d_count = [0] * len(slen), [0] * len(dlen), list(slen), list(dlen)
+    for dim, so, do, n in item.narrows or ():
+        s_start[dim], d_start[dim], s_count[dim], d_count[dim] = so, do, n, n
+    if s_count != d_count:
+        return None
+    s_off, d_off = _run_in(slen, s_start, s_count), _run_in(dlen, d_start, d_count)
+    if s_off is None or d_off is None:
+        return None
+    return item.src.storage_offset + s_off, item.dst.storage_offset + d_off, math.prod(s_count)
 
 
 def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
@@ -470,12 +683,23 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     """Worker step for `in_place` writers: save the file's object without tensor data (the data regions
     stay holes, i.e. zeros), then put each copy item's bytes at their place in the file, fsync, rename.
 
-    A flat item between equal dtypes of torch.save'd files is copied file to file inside the kernel
-    (`copy_file_range`: no process memory); other flat items go through the source tensor's region
-    (pages released after); box items (one logical tensor per buffer) fill that buffer in memory.
+    A flat item, or a box item that moves one contiguous run, between equal dtypes of torch.save'd
+    files is copied file to file inside the kernel (`copy_file_range`: no process memory); other flat
+    items go through the source tensor's region (pages released after); other box items fill their
+    buffer in memory.
+    0-d buffers are filled before `assemble`, which may store them as Python numbers (then they are
+    not located in the file: their value is in the pickle).
     Peak memory: one tensor, never the file.
     """
+    src_root = Path(source_root)
+    sources = _Sources(src_root, trust_checkpoint)
     placeholders = {b.key: torch.empty(b.shape, dtype=getattr(torch, b.dtype)) for b in file.buffers}  # untouched
+    for key in [b.key for b in file.buffers if b.shape == ()]:
+        placeholders[key] = torch.zeros((), dtype=placeholders[key].dtype)
+        for it in items:
+            if it.dst.key == key:
+                copy_item(it, sources.tensor(it.src.file, it.src.key), placeholders[key], src_where=str(src_root /
+                                                                                                        it.src.file))
     payload = writer.assemble(file, placeholders, meta)
     if isinstance(payload, (bytes, str, StreamPayload)):
         raise CheckpointError(f"{file.path}: an in_place writer returned {type(payload).__name__} for a file with "
@@ -483,40 +707,54 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     path = Path(dest_root) / file.path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    src_root = Path(source_root)
     layouts, fds = _Layouts(), {}
     try:
         with open(tmp, "wb") as f, torch.serialization.skip_data():
-            torch.save(payload, f)
+            torch.save(payload, f, pickle_module=safe_load.PICKLE_MODULE)
         del payload, placeholders
-        targets = {}
+        targets, inline = {}, set()
         for b in file.buffers:
             loc = layouts.locate(tmp, b.key)
+            if loc is None and b.shape == ():
+                inline.add(b.key)  # stored as a Python number, already filled
+                continue
             if loc is None or loc.numel != math.prod(b.shape) or loc.dtype != getattr(torch, b.dtype):
                 raise CheckpointError(f"{file.path}: the in_place writer's object holds no contiguous {b.shape} "
                                       f"{b.dtype} tensor at {list(b.key)} (found {loc})")
             targets[b.key] = loc
-        sources = _Sources(src_root, trust_checkpoint)
         boxes: dict[KeyPath, list[CopyItem]] = {}
+
+        def _copy_in_kernel(it: CopyItem, run: tuple[int, int, int], dst: StoredTensor) -> bool:
+            """Copy elements run = (source offset, target offset, count) file to file when both are one
+            contiguous run of the same dtype inside the files; False when they are not."""
+            s, d, n = run
+            src_loc = layouts.locate(src_root / it.src.file, it.src.key) if sources.mapped(it.src.key) else None
+            if src_loc is None or src_loc.dtype != dst.dtype or s + n > src_loc.numel or d + n > dst.numel:
+                return False
+            if it.src.file not in fds:
+                fds[it.src.file] = os.open(src_root / it.src.file, os.O_RDONLY)
+            size = torch.empty((), dtype=dst.dtype).element_size()
+            _copy_range(fds[it.src.file], out.fileno(), n * size, src_loc.offset + s * size, dst.offset + d * size)
+            return True
+
         with open(tmp, "rb+") as out:
             for it in sorted(items, key=lambda i: (str(i.dst.key), i.flat[1] if i.flat else 0)):
+                if it.dst.key in inline:
+                    continue
                 if it.dst.key not in targets:
                     raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of "
                                           f"that file")
-                if it.flat is None:
+                run = _box_run(it) if it.flat is None else it.flat
+                if it.flat is None and (run is None or not _copy_in_kernel(it, run, targets[it.dst.key])):
                     boxes.setdefault(it.dst.key, []).append(it)
+                    continue
+                if it.flat is None:
                     continue
                 dst, (s, d, n) = targets[it.dst.key], it.flat
                 if d + n > dst.numel:
                     raise CheckpointFormatError(f"target {file.path} {list(it.dst.key)}: needs elements [{d}, "
                                                 f"{d + n}) but the buffer has {dst.numel}")
-                src_loc = layouts.locate(src_root / it.src.file, it.src.key) if sources.mapped(it.src.key) else None
-                if src_loc is not None and src_loc.dtype == dst.dtype and s + n <= src_loc.numel:
-                    if it.src.file not in fds:
-                        fds[it.src.file] = os.open(src_root / it.src.file, os.O_RDONLY)
-                    size = torch.empty((), dtype=dst.dtype).element_size()
-                    _copy_range(fds[it.src.file], out.fileno(), n * size, src_loc.offset + s * size,
-                                dst.offset + d * size)
+                if _copy_in_kernel(it, it.flat, dst):
                     continue
                 src = sources.tensor(it.src.file, it.src.key)
                 region = _region(src, s, n, where=f"{src_root / it.src.file} {list(it.src.key)} ({it.tensor})")
@@ -526,7 +764,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                     release_pages(src, s, n)
             for key, box_items in boxes.items():
                 b = next(b for b in file.buffers if b.key == key)
-                buf = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
+                buf = zeros(b.shape, getattr(torch, b.dtype))
                 for it in box_items:
                     src = sources.tensor(it.src.file, it.src.key)
                     copy_item(it, src, buf, src_where=str(src_root / it.src.file))
@@ -535,7 +773,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                 _pwrite_all(out.fileno(), buf, targets[key].offset)
                 del buf
             out.flush()
-            _fix_zip_crcs(out, tmp)
+            crc = _fix_zip_crcs(out, tmp)
             os.fsync(out.fileno())
         del sources
         os.replace(tmp, path)
@@ -549,20 +787,27 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     finally:
         for fd in fds.values():
             os.close(fd)
-    return FileRecord(path=file.path, nbytes=path.stat().st_size, sha256=_sha256(path) if hash_file else "")
+    return FileRecord(path=file.path, nbytes=path.stat().st_size, crc32=f"{crc:08x}")
 
 
-def _inline_hashing_in_background(dest: Path) -> MapFn:
-    """The default map: write target files one after another here, hashing each written file in a
-    thread (hashlib releases the GIL) while the next one is written."""
+IO_THREADS = 2  # target files written at once by the default map (each holds at most one tensor)
+
+
+def in_threads(threads: int = IO_THREADS) -> MapFn:
+    """The default map: target files written by `threads` threads of this process. Kernel copies,
+    reads, CRCs and fsync release the GIL, so one file's fsync overlaps the next file's copies."""
 
     def run(fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as hashers:
-            written = []
-            for a in args:
-                rec = fn(*a, False)
-                written.append((rec, hashers.submit(_sha256, dest / rec.path) if not rec.sha256 else None))
-            return [r if fut is None else dataclasses.replace(r, sha256=fut.result()) for r, fut in written]
+        if threads <= 1 or len(args) <= 1:
+            return [fn(*a) for a in args]
+        with ThreadPoolExecutor(max_workers=min(threads, len(args))) as pool:
+            futures = [pool.submit(fn, *a) for a in args]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
 
     return run
 
@@ -601,18 +846,20 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
     jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, meta, trust_checkpoint)
             for f in plan.target.files]
     try:
-        records = list((map_fn or _inline_hashing_in_background(dest))(write_target_file, jobs))
+        # two files at once only where a worker holds one tensor, not a whole file (in-place/streaming writers)
+        bounded = getattr(writer, "in_place", False) or getattr(writer, "streaming", False)
+        records = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
         finalize = getattr(writer, "finalize", None)
         if finalize is not None:
             for rel, payload in finalize(records, meta).items():
                 rec = write_atomic(dest / rel, payload)
-                records.append(FileRecord(path=rel, nbytes=rec.nbytes, sha256=rec.sha256))
-        records = [FileRecord(path=r.path, nbytes=r.nbytes, sha256=r.sha256) for r in records]
+                records.append(FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32))
+        records = [FileRecord(path=r.path, nbytes=r.nbytes, crc32=r.crc32) for r in records]
         manifest = {
             "version": MANIFEST_VERSION,
             "format": plan.target.index.format,
             "source": {"root": plan.source.root, "format": plan.source.format},
-            "files": {r.path: {"bytes": r.nbytes, "sha256": r.sha256} for r in records},
+            "files": {r.path: {"bytes": r.nbytes, "crc32": r.crc32} for r in records},
         }
         write_atomic(dest / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     except BaseException:
@@ -630,7 +877,8 @@ def _remove_partial(dest: Path, created: bool) -> None:
 
 
 def verify_manifest(dest: str | Path) -> list[str]:
-    """Problems found re-hashing every file listed in dest/manifest.json (empty list: intact)."""
+    """Problems found re-checking every file listed in dest/manifest.json: size, and each checksum its
+    record holds (`crc32`; `sha256` in version-1 manifests and records others updated). Empty: intact."""
     dest = Path(dest)
     try:
         manifest = json.loads((dest / MANIFEST).read_text())
@@ -641,7 +889,14 @@ def verify_manifest(dest: str | Path) -> list[str]:
         p = dest / rel
         if not p.is_file():
             problems.append(f"{p}: missing")
-        elif (h := _sha256(p)) != rec["sha256"]:
-            problems.append(f"{p}: sha256 {h} != manifest {rec['sha256']}")
+            continue
+        if "bytes" in rec and (size := p.stat().st_size) != rec["bytes"]:
+            problems.append(f"{p}: {size} bytes != manifest {rec['bytes']}")
+        checks = [(name, fn) for name, fn in (("crc32", file_crc32), ("sha256", _sha256)) if name in rec]
+        if not checks:
+            problems.append(f"{p}: manifest record {rec} holds no checksum (crc32 or sha256)")
+        for name, fn in checks:
+            if (h := fn(p)) != rec[name]:
+                problems.append(f"{p}: {name} {h} != manifest {rec[name]}")
     return problems
 

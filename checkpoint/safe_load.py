@@ -3,15 +3,23 @@
 The allow-list holds exactly the non-tensor classes DeepSpeed and Megatron put in their
 checkpoints. A file whose pickle references anything else is refused with an error naming the
 file and the classes, unless the caller opts in with `trust_checkpoint=True`.
+
+DeepSpeed's classes are read and written through stand-ins (`STAND_INS`: same pickled name, same
+state) so that neither reading nor writing a DeepSpeed checkpoint imports deepspeed (~0.7 s): a
+file saved with `torch.save(obj, f, pickle_module=PICKLE_MODULE)` references DeepSpeed's own
+classes, which DeepSpeed loads as usual. Pickled any other way, a stand-in turns into the real
+class (deepspeed imported then).
 """
 
 from __future__ import annotations
 
 import importlib
 import pickle
+import threading
+import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,15 +44,152 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
 )
 
 
+# torch's safe_globals() edits one process-wide set, which get_unsafe_globals_in_checkpoint also reads:
+# one check-and-load at a time, or a thread sees another's temporary entries as safe and leaves them out
+_SAFE_GLOBALS_LOCK = threading.RLock()
+
+
 def _resolve(name: str) -> Any:
+    if name in STAND_INS:
+        return STAND_INS[name], name
     module, _, attr = name.rpartition(".")
     return getattr(importlib.import_module(module), attr)
+
+
+def _real(name: str) -> type:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class _StandIn:
+    """A DeepSpeed class as checkpoints hold it: `pickle_name` is the real class's qualified name."""
+
+    pickle_name: ClassVar[str]
+
+    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        """(constructor args, state dict for BUILD or None): REDUCE args for enums, NEWOBJ + BUILD else."""
+        return (), dict(self.__dict__)
+
+    def _ctor_args(self) -> tuple[Any, ...]:
+        """Arguments the real class's constructor accepts (its state is then set from `_state`)."""
+        return ()
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """Pickled by anything but PICKLE_MODULE: the real class's constructor, then its state (loads
+        with weights_only under the real name, like the real object)."""
+        args, state = self._state()
+        return (_real(self.pickle_name), args) if state is None else (_real(self.pickle_name), self._ctor_args(),
+                                                                      state)
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and self._state() == other._state()
+
+    def __repr__(self) -> str:
+        return f"{self.pickle_name}{self._state()}"
+
+
+class ZeroStageEnum(int, _StandIn):
+    """deepspeed.runtime.zero.config.ZeroStageEnum (an int Enum: 0..3)."""
+
+    pickle_name = "deepspeed.runtime.zero.config.ZeroStageEnum"
+    _members: ClassVar[dict[int, ZeroStageEnum]] = {}
+
+    def __new__(cls, value: int) -> ZeroStageEnum:  # one object per stage, like the Enum's members
+        if int(value) not in cls._members:
+            cls._members[int(value)] = int.__new__(cls, value)
+        return cls._members[int(value)]
+
+    @property
+    def value(self) -> int:
+        return int(self)
+
+    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        return (int(self),), None
+
+    __hash__ = int.__hash__
+
+
+class fragment_address(_StandIn):  # noqa: N801 (DeepSpeed's name)
+    """deepspeed.utils.tensor_fragment.fragment_address (a dataclass: numel, start)."""
+
+    pickle_name = "deepspeed.utils.tensor_fragment.fragment_address"
+
+    def __init__(self, numel: int, start: int) -> None:
+        self.numel, self.start = numel, start
+
+    def _ctor_args(self) -> tuple[Any, ...]:
+        return self.numel, self.start
+
+
+class LossScaler(_StandIn):
+    """deepspeed.runtime.fp16.loss_scaler.LossScaler (a static loss scale)."""
+
+    pickle_name = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+    def __init__(self, scale: float = 1) -> None:
+        self.cur_scale, self.dynamic = scale, False
+
+    def _ctor_args(self) -> tuple[Any, ...]:
+        return (self.cur_scale,)
+
+
+class DynamicLossScaler(_StandIn):
+    """deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler (its attributes are carried as they were read)."""
+
+    pickle_name = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+    def __init__(self, init_scale: float = 2.0 ** 32, scale_window: int = 1000, min_scale: float = 1,
+                 delayed_shift: int = 1, consecutive_hysteresis: bool = False) -> None:
+        self.cur_scale, self.cur_iter, self.last_overflow_iter, self.scale_factor = init_scale, 0, -1, 2.0
+        self.scale_window, self.min_scale, self.delayed_shift = scale_window, min_scale, delayed_shift
+        self.cur_hysteresis, self.consecutive_hysteresis, self.dynamic = delayed_shift, consecutive_hysteresis, True
+
+    def _ctor_args(self) -> tuple[Any, ...]:
+        d = self.__dict__
+        return (d.get("cur_scale", 2.0 ** 32), d.get("scale_window", 1000), d.get("min_scale", 1),
+                d.get("delayed_shift", 1), d.get("consecutive_hysteresis", False))
+
+
+STAND_INS: dict[str, type] = {c.pickle_name: c for c in (ZeroStageEnum, fragment_address, LossScaler,
+                                                          DynamicLossScaler)}
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its `save` can be extended, the C one's cannot
+    """Pickles stand-ins under the real classes' names (GLOBAL opcodes), importing nothing; the rest as usual."""
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if not isinstance(obj, _StandIn):
+            return super().save(obj, save_persistent_id)
+        if id(obj) in self.memo:
+            self.write(self.get(self.memo[id(obj)][0]))
+            return None
+        args, state = obj._state()
+        self._save_class(type(obj))
+        self.save(args)
+        self.write(pickle.REDUCE if state is None else pickle.NEWOBJ)
+        self.memoize(obj)
+        if state is not None:
+            self.save(state)
+            self.write(pickle.BUILD)
+        return None
+
+    def _save_class(self, cls: type) -> None:
+        if id(cls) in self.memo:
+            self.write(self.get(self.memo[id(cls)][0]))
+            return
+        module, _, name = cls.pickle_name.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode())
+        self.memoize(cls)
+
+
+PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="checkpoint.safe_load.PICKLE_MODULE")
 
 
 def required_globals(path: Path) -> list[str]:
     """Names of the non-default globals the pickle in `path` references (reads the pickle only)."""
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        with _SAFE_GLOBALS_LOCK:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
     except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
         raise CheckpointFormatError(f"{path}: not a readable torch checkpoint (truncated or corrupt?): {err}") from err
 
@@ -59,17 +204,18 @@ def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False
     path = Path(path)
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: file is missing")
-    needed = required_globals(path)
-    refused = sorted(n for n in needed if n not in ALLOWED_GLOBALS)
-    if refused and not trust_checkpoint:
-        raise UntrustedCheckpointError(
-            f"{path}: refusing to unpickle {', '.join(refused)} (not in the allow-list of classes that "
-            f"DeepSpeed/Megatron store); pass trust_checkpoint / --trust-checkpoint if you trust this file"
-        )
-    try:
-        if refused:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals([_resolve(n) for n in needed]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
-        raise CheckpointFormatError(f"{path}: cannot load (truncated or corrupt?): {err}") from err
+    with _SAFE_GLOBALS_LOCK:
+        needed = required_globals(path)
+        refused = sorted(n for n in needed if n not in ALLOWED_GLOBALS)
+        if refused and not trust_checkpoint:
+            raise UntrustedCheckpointError(
+                f"{path}: refusing to unpickle {', '.join(refused)} (not in the allow-list of classes that "
+                f"DeepSpeed/Megatron store); pass trust_checkpoint / --trust-checkpoint if you trust this file"
+            )
+        try:
+            if refused:
+                return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            with torch.serialization.safe_globals([_resolve(n) for n in needed]):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+            raise CheckpointFormatError(f"{path}: cannot load (truncated or corrupt?): {err}") from err

@@ -8,7 +8,7 @@ import torch
 
 from checkpoint.execute import _Sources, verify_manifest
 from checkpoint.errors import PlanError
-from checkpoint.index import CheckpointIndex
+from checkpoint.index import CheckpointIndex, Kind
 from checkpoint.materialize import read_tensor
 from checkpoint.plan import source_for
 
@@ -16,9 +16,17 @@ from checkpoint.plan import source_for
 def compare_indexes(source: CheckpointIndex, target: CheckpointIndex) -> list[str]:
     """Problems found comparing each target tensor with the source tensor it came from (empty: equal).
 
-    A target param the source only holds as fp32 master is compared with the master cast to its dtype.
+    A target param the source only holds as fp32 master is compared with the master cast to its dtype;
+    per-parameter Adam steps a writer derived from a per-group step (Megatron sources) are checked
+    against the source's train-state step (`checkpoint.formats.adam_step`); targets that keep the step
+    per param group (Megatron) hold none to check here.
     """
+    from checkpoint.formats.adam_step import split_derived_steps
+
     problems = list(verify_manifest(target.root)) if (Path(target.root) / "manifest.json").exists() else []
+    if any(e.key.kind is Kind.STEP for e in target.entries):  # a target keeping Adam's step per parameter
+        target, step_problems = split_derived_steps(source, target)
+        problems += step_problems
     src_entries = source.by_key()
     src_files, dst_files = _Sources(Path(source.root), False), _Sources(Path(target.root), False)
     for entry in target.entries:

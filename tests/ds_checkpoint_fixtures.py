@@ -38,7 +38,8 @@ class DSCheckpointSpec:
     world_size: int
     stage: int
     dtype: str = "fp32"  # fp32 | bf16 | fp16
-    optimizer: str = "adam"  # adam | adamw
+    optimizer: str = "adam"  # adam | adamw (torch's, passed in) | ds_adam | ds_adamw (built by DeepSpeed from
+    # its config: FusedAdam) | ds_cpu_adam (config-built with the optimizer offloaded: DeepSpeedCPUAdam)
     steps: int = 3
     seed: int = 7
     tag: str = "global_step3"
@@ -65,9 +66,9 @@ class TinyNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 17), tokens[:, 1:].reshape(-1))
 
 
-def ds_config(stage: int, dtype: str, universal: bool = False) -> dict[str, Any]:
+def ds_config(stage: int, dtype: str, universal: bool = False, optimizer: str = "adam") -> dict[str, Any]:
     """The DeepSpeed config both the source run and the verifying load use (`universal`: load a
-    universal checkpoint)."""
+    universal checkpoint; an `optimizer` starting with `ds_` is built by DeepSpeed from this config)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -78,6 +79,11 @@ def ds_config(stage: int, dtype: str, universal: bool = False) -> dict[str, Any]
     }
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if optimizer.startswith("ds_"):
+        cfg["optimizer"] = {"type": "AdamW" if optimizer == "ds_adamw" else "Adam",
+                            "params": {"lr": 0.01, "weight_decay": 0.01 if optimizer == "ds_adamw" else 0.0}}
+    if optimizer == "ds_cpu_adam":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -99,9 +105,13 @@ def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool =
 
     torch.manual_seed(seed)
     model = TinyNet()
+    config = ds_config(stage, dtype, universal, optimizer)
+    if optimizer.startswith("ds_"):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        return engine
     opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = opt_cls(model.parameters(), lr=0.01, weight_decay=0.01 if optimizer == "adamw" else 0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, universal))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
 
 
@@ -130,7 +140,8 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
             engine.step()
             losses.append(float(loss))
         engine.save_checkpoint(out_dir, tag=spec.tag, client_state={"data_position": 6 * spec.steps, "note": "fixture"})
-        result = {"losses": losses, "probe_loss": _probe_loss(engine)}
+        result = {"losses": losses, "probe_loss": _probe_loss(engine),
+                  "optimizer_class": type(engine.optimizer.optimizer).__name__}
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -167,6 +178,9 @@ def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: s
         steps = {
             "global_steps": engine.global_steps,
             "optimizer_step": [float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s][:1],
+            "optimizer_class": type(engine.optimizer.optimizer).__name__,
+            "optimizer_step_type": [type(s["step"]).__name__ for s in engine.optimizer.optimizer.state.values()
+                                    if "step" in s][:1],
             "lr": [g["lr"] for g in engine.optimizer.param_groups],
             "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "client": {k: v for k, v in client.items() if k in ("data_position", "note")},

@@ -130,3 +130,40 @@ def test_deepspeed_loads_the_conversion_and_continues_training(spec, dp, stage, 
     else:  # ZeRO-3 runs linears through its own autograd function: rounding may differ in the last bits
         assert math.isclose(loaded.probe_loss, source_probe, rel_tol=1e-2 if spec.dtype == "bf16" else 1e-5)
     assert math.isfinite(loaded.probe_after_step) and loaded.probe_after_step != loaded.probe_loss
+
+
+CONFIG_BUILT = [  # (source, target dp, target stage, the optimizer class DeepSpeed builds from its config on CPU)
+    (DSCheckpointSpec(world_size=2, stage=2, optimizer="ds_adam"), 3, 3, "FusedAdam"),
+    (DSCheckpointSpec(world_size=2, stage=2, optimizer="ds_cpu_adam"), 3, 1, "DeepSpeedCPUAdam"),
+]
+
+
+@pytest.mark.parametrize("spec,dp,stage,cls", CONFIG_BUILT, ids=lambda v: v.name if isinstance(v, DSCheckpointSpec)
+                         else str(v))
+def test_config_built_fused_and_cpu_adam_convert_and_load_bit_exact(spec, dp, stage, cls, deepspeed_checkpoints,
+                                                                     tmp_path):
+    """DeepSpeed's own Adam (built from `"optimizer": {"type": "Adam"}`) keeps `step` as a Python int."""
+    src = deepspeed_checkpoints(spec)
+    assert json.loads((src / "fixture.json").read_text())["optimizer_class"] == cls
+    optim = safe_load.load(src / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"] == spec.steps
+    assert type(optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int
+    dst = tmp_path / "converted"
+    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    assert verify_manifest(dst) == []
+    loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype=spec.dtype, optimizer=spec.optimizer,
+                            work=tmp_path / "load")
+    assert loaded.meta["optimizer_class"] == cls
+    _assert_same_state(loaded.params, universal_reference(src, tmp_path / "ref"), f"{spec.name} -> z{stage} dp{dp}")
+    assert loaded.meta["optimizer_step"] == [float(spec.steps)] and loaded.meta["optimizer_step_type"] == ["int"]
+    assert loaded.meta["global_steps"] == spec.steps
+    source_probe = json.loads((src / "fixture.json").read_text())["probe_loss"]
+    assert math.isclose(loaded.probe_loss, source_probe, rel_tol=1e-5)
+    assert math.isfinite(loaded.probe_after_step) and loaded.probe_after_step != loaded.probe_loss
+    # and back to the source layout: every tensor, the int step included, bit for bit
+    convert(dst, tmp_path / "back", to="deepspeed", dp=spec.world_size, zero_stage=spec.stage)
+    original, back = read_index(src), read_index(tmp_path / "back")
+    for (entry, a), (_, b) in zip(iter_tensors(original), iter_tensors(back), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{entry.key} differs after the round trip"
+    back_optim = safe_load.load(tmp_path / "back" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert type(back_optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int

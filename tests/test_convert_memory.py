@@ -2,7 +2,9 @@
 
 Real DeepSpeed ZeRO-2 checkpoints of growing size (built by scripts/bench_convert.py's builder) are
 converted in a fresh process whose peak RSS (getrusage) is measured: it must stay under 2x the
-largest tensor + 400 MB and must not grow with the checkpoint.
+largest tensor + 400 MB and must not grow with the checkpoint. The same holds for the writers that
+stream a file tensor by tensor (DCP, HF safetensors); their outputs are read by DCP's and the
+safetensors library's own loaders.
 """
 
 import importlib
@@ -37,7 +39,7 @@ def test_peak_memory_is_flat_as_the_checkpoint_grows(tmp_path, workload_extensio
         src = bench.build_checkpoint(tmp_path / f"src{size}", size_gb=size, dp=2, hidden=HIDDEN)
         assert bench.dir_bytes(src) > 0.8 * size * 1e9
         for name, to, dp, stage in (("dp2->dp3", "deepspeed", 3, 2), ("z2->z3", "deepspeed", 2, 3),
-                                    ("universal", "deepspeed_universal", None, None)):
+                                    ("universal", "deepspeed_universal", None, None), ("dcp", "dcp", 1, None)):
             dst = tmp_path / f"out{size}_{name}"
             _, peak = bench.convert_in_subprocess(src, dst, to=to, dp=dp, stage=stage)
             assert verify_manifest(dst) == []
@@ -46,7 +48,7 @@ def test_peak_memory_is_flat_as_the_checkpoint_grows(tmp_path, workload_extensio
     bound = 2 * largest + (400 << 20)
     report = {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}
     assert all(v <= bound for v in peaks.values()), f"peak RSS over {bound / 2**20:.0f} MiB: {report}"
-    for name in ("dp2->dp3", "z2->z3", "universal"):
+    for name in ("dp2->dp3", "z2->z3", "universal", "dcp"):
         growth = peaks[(sizes[1], name)] - peaks[(sizes[0], name)]
         # the checkpoint grows by ~210 MB (a rank's target file by ~100 MB); memory must not follow
         assert growth < 24 << 20, f"{name}: peak RSS grew by {growth / 2**20:.0f} MiB with the checkpoint: {report}"
@@ -90,3 +92,34 @@ def test_in_place_writer_output_loads_with_zeros_where_nothing_was_copied(tmp_pa
     assert got["n"] == 7 and got["w"].dtype == torch.bfloat16
     assert torch.equal(got["w"], torch.zeros(2, 3, dtype=torch.bfloat16))
     assert verify_manifest(tmp_path / "out") == []
+
+
+def _hf_source(root: Path, layers: int) -> Path:
+    """A llama-named safetensors checkpoint of `layers` square fp32 matrices (HIDDEN x HIDDEN each)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    g = torch.Generator().manual_seed(layers)
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g)
+               for i in range(layers)}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+@pytest.mark.slow
+def test_hf_writer_streams_tensor_by_tensor(tmp_path):
+    """One 250 MB safetensors file is written holding one 1 MiB tensor at a time; safetensors reads it back."""
+    from safetensors import safe_open
+
+    bench = _bench()
+    peaks = {}
+    for layers in (40, 240):
+        src = _hf_source(tmp_path / f"hf{layers}", layers)
+        dst = tmp_path / f"out{layers}"
+        _, peaks[layers] = bench.convert_in_subprocess(src, dst, to="hf", dp=None, stage=None)
+        assert verify_manifest(dst) == []
+        with safe_open(str(src / "model.safetensors"), "pt") as a, safe_open(str(dst / "model.safetensors"), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    growth = peaks[240] - peaks[40]  # the file grows by 210 MB
+    assert growth < 24 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB: {peaks}"
+    assert peaks[240] <= 2 * HIDDEN * HIDDEN * 4 + (400 << 20), peaks

@@ -8,9 +8,10 @@ files it will write (a `TargetSpec`) and its `writer` assembles each file from f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from checkpoint.execute import Writer
 from checkpoint.index import CheckpointIndex
@@ -36,7 +37,9 @@ class ReadOptions:
 class TargetOptions:
     """The target layout; `None` means "the source's" (or the format's only choice).
 
-    `dp` is the data-parallel (for DCP: world) size; `arch` names the HF parameter-name map.
+    `dp` is the data-parallel (for DCP: world) size; `arch` names the HF parameter-name map;
+    `model_config` gives the architecture (ModelSpec-style fields: architecture, num_layers, hidden_size,
+    ...) to targets whose layout rules need it when the source does not carry it (Megatron).
     """
 
     dp: int | None = None
@@ -44,7 +47,9 @@ class TargetOptions:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    vpp: int | None = None
     arch: str | None = None
+    model_config: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -28,6 +28,7 @@ import torch
 
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -87,11 +88,14 @@ def _nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return lists(root)
 
 
-def read_dcp(path: str | Path, *, expect_dp: int | None = None) -> CheckpointIndex:
+def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int | None = None) -> CheckpointIndex:
     """Index a DCP checkpoint from `.metadata`; non-tensor values are loaded (weights_only) into meta.
 
-    Raises CheckpointFormatError for missing data files, storage transforms or tensors this reader
-    does not understand, LayoutMismatchError when `expect_dp` differs from the number of data files.
+    Chunks may be boxes in any dims (FSDP2's dim-0 pieces, DTensor TP's row/column pieces, both on
+    a dp x tp mesh); the layout (dp, tp) follows from the chunks (`_saved_layout`). Raises
+    CheckpointFormatError for missing data files, storage transforms, tensors this reader does not
+    understand or a tp that does not divide the rank files, LayoutMismatchError when `expect_dp` /
+    `expect_tp` differ from the layout.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -133,11 +137,31 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None) -> CheckpointInd
         entry.check_complete()
         entries.append(entry)
     world = len([f for f in files if f.endswith(".distcp")])
-    if expect_dp is not None and expect_dp != world:
-        raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint has {world} rank files")
     nested = _nest(values)
+    dp, tp = _saved_layout(entries, world, root)
+    if expect_dp is not None and expect_dp != dp:
+        raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint was saved at dp={dp} "
+                                  f"(tp={tp}, {world} rank files)")
+    if expect_tp is not None and expect_tp != tp:
+        raise LayoutMismatchError(f"{root}: declared tp={expect_tp} but the checkpoint was saved at tp={tp} "
+                                  f"(dp={dp}, {world} rank files)")
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=(METADATA, *files),
-                           meta=_meta(entries, nested, world))
+                           meta=_meta(entries, nested, world, dp=dp, tp=tp))
+
+
+def _saved_layout(entries: Sequence[TensorEntry], world: int, root: Path) -> tuple[int, int]:
+    """(dp, tp) from the chunk geometry: tp is the most pieces any matrix is split into along a dim
+    other than 0 (DTensor RowwiseParallel splits dim 1; FSDP2 splits only dim 0), dp = world / tp.
+    Read from the chunks rather than from values a converter may have carried over."""
+    tp = 1
+    for e in entries:
+        if len(e.shape) >= 2:
+            for d in range(1, len(e.shape)):
+                tp = max(tp, len({c.offsets[d] for c in e.chunks}))
+    if world % tp:
+        raise CheckpointFormatError(f"{root}: tensors are split {tp} ways along dims > 0 (tp={tp}) but the "
+                                    f"checkpoint has {world} rank files, not a multiple of {tp}")
+    return world // tp, tp
 
 
 def _tensor_key(path: tuple[Any, ...], fqn: str, root: Path) -> TensorKey:
@@ -149,7 +173,8 @@ def _tensor_key(path: tuple[Any, ...], fqn: str, root: Path) -> TensorKey:
                                 f"state (exp_avg, exp_avg_sq, step)")
 
 
-def _meta(entries: Sequence[TensorEntry], values: Mapping[str, Any], world: int) -> dict[str, Any]:
+def _meta(entries: Sequence[TensorEntry], values: Mapping[str, Any], world: int, *, dp: int | None = None,
+          tp: int = 1) -> dict[str, Any]:
     params = [e for e in entries if e.key.kind is Kind.PARAM]
     optim = values.get("optimizer", {})
     groups = optim.get("param_groups", []) if isinstance(optim, Mapping) else []
@@ -159,7 +184,9 @@ def _meta(entries: Sequence[TensorEntry], values: Mapping[str, Any], world: int)
     if isinstance(client.get("migrate"), Mapping):
         step = client["migrate"].get("step")
     return {
-        "dp": world,
+        "dp": world if dp is None else dp,
+        "tp": tp,
+        "world_size": world,
         "dtype": params[0].dtype if params else "float32",
         "global_steps": step,
         "dcp_values": others,
@@ -218,8 +245,9 @@ def _values_from(index: CheckpointIndex, names: Sequence[str]) -> dict[str, Any]
 def _torch_hparams(g: Mapping[str, Any]) -> dict[str, Any]:
     """torch.optim.Adam/AdamW param-group fields DCP's optimizer loader expects (kept when present)."""
     out = {"betas": tuple(g["betas"])} if isinstance(g.get("betas"), (list, tuple)) else {}
+    # decoupled_weight_decay (torch >= 2.6 Adam/AdamW): absent in Megatron's train state, whose Adam decouples it
     for k, default in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
-                       ("differentiable", False), ("fused", None)):
+                       ("differentiable", False), ("fused", None), ("decoupled_weight_decay", True)):
         out[k] = g.get(k, default)
     return out
 
@@ -236,7 +264,9 @@ def _flatten(obj: Any, prefix: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], A
 
 def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
     """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
-    `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params)."""
+    `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). A source that keeps Adam's
+    step per param group (Megatron) gets torch Adam's per-parameter step (`adam_step.derived_step`), written
+    by rank 0's file."""
     if world < 1:
         raise PlanError(f"DCP target needs world size >= 1, got {world}")
     src = source.by_key()
@@ -261,9 +291,14 @@ def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
                 chunks.append(ChunkRef(file=data_file(r), key=bkey, offsets=offs, lengths=lens))
             entries.append(TensorEntry(key=key, shape=shp, dtype=dt, chunks=tuple(chunks)))
     values = _values_from(source, names)
+    step = derived_step(source)  # a source with Adam's step per param group (Megatron): one per param here
+    derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP))), step] for n in names
+                                       if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
     meta = {"dp": world, "dtype": "float32", "global_steps": source.meta.get("global_steps"),
             "values": [[list(p), v] for p, v in _flatten(values, ())],
-            "tensors": [[list(fqn_path(e.key)), list(e.shape), e.dtype] for e in entries]}
+            "tensors": [[list(fqn_path(e.key)), list(e.shape), e.dtype] for e in entries]
+            + [[path, [], STEP_DTYPE] for path, _ in derived],
+            "derived_steps": derived}
     files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
@@ -273,7 +308,12 @@ def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DCPWriter:
-    """Writes each rank's `.distcp` chunk by chunk and, as the coordinator, DCP's `.metadata` last."""
+    """Writes each rank's `.distcp` chunk by chunk and, as the coordinator, DCP's `.metadata` last.
+
+    `streaming`: each chunk is filled when the payload looks it up and saved before the next one, so a
+    worker holds one chunk, never the file."""
+
+    streaming: bool = True
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role != "data":
@@ -286,6 +326,10 @@ class DCPWriter:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)
                 placed.append((b.key[1], list(b.key[2]), start, stream.tell() - start))
+            for path, step in meta.get("derived_steps", []) if file.rank == 0 else []:
+                start = stream.tell()
+                torch.save(step_tensor(step), stream)
+                placed.append((_fqn(path), [], start, stream.tell() - start))
             for path, value in values:
                 start = stream.tell()
                 buf = io.BytesIO()
@@ -333,7 +377,7 @@ class DCPWriter:
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
-    return read_dcp(path, expect_dp=opts.dp)
+    return read_dcp(path, expect_dp=opts.dp, expect_tp=opts.tp)
 
 
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:

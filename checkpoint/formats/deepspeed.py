@@ -30,6 +30,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -139,7 +140,8 @@ def _plain(obj: Any) -> Any:
     if hasattr(obj, "value") and type(obj).__name__.endswith("Enum"):
         return obj.value
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return {"__class__": f"{type(obj).__module__}.{type(obj).__qualname__}", **_plain(vars(obj))}
+        name = getattr(type(obj), "pickle_name", f"{type(obj).__module__}.{type(obj).__qualname__}")
+        return {"__class__": name, **_plain(vars(obj))}
     return obj
 
 
@@ -306,6 +308,28 @@ def _stored(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> torch
     return cur
 
 
+def _stored_step(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype) of Adam's stored `step`, or None when absent. torch's Adam keeps a 0-d float32
+    tensor; DeepSpeed's own FusedAdam and DeepSpeedCPUAdam (built from the config's "optimizer") keep a
+    Python int, indexed as a 0-d int64 (the executor reads it as one, DeepSpeed writers store an int)."""
+    cur: Any = optim[rank]
+    for k in path:
+        try:
+            cur = cur[k]
+        except (KeyError, IndexError):
+            return None
+    if isinstance(cur, int) and not isinstance(cur, bool):
+        return (), "int64"
+    if not isinstance(cur, torch.Tensor):
+        raise CheckpointFormatError(f"{where}: {list(path)} is {type(cur).__name__}, not a tensor or an int")
+    return tuple(cur.shape), dtype_name(cur.dtype)
+
+
+def step_as_stored(step: torch.Tensor) -> torch.Tensor | int:
+    """A filled step buffer as the optimizer keeps it: an int for a 0-d int64 (FusedAdam, CPUAdam), else the tensor."""
+    return int(step) if step.dtype == torch.int64 and step.dim() == 0 else step
+
+
 def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tuple[int, tuple[int, int], int]]],
                                          list[int]]],
                   stage: int, tag: str, bf16: bool, optim: Sequence[Any], root: Path) -> list[TensorEntry]:
@@ -341,12 +365,12 @@ def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tu
                              for r, fr, so in chunks[p.name])
                 entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=p.shape, dtype="float32",
                                            chunks=refs))
-            step = _stored(optim, 0, paths[Kind.STEP], "")
+            step = _stored_step(optim, 0, paths[Kind.STEP], str(root / optim_file(tag, 0, bf16)))
             if has_state and step is not None:
-                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.STEP), shape=tuple(step.shape),
-                                           dtype=dtype_name(step.dtype),
+                shape, dt = step
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.STEP), shape=shape, dtype=dt,
                                            chunks=(ChunkRef(file=optim_file(tag, 0, bf16), key=paths[Kind.STEP],
-                                                            offsets=(0,) * step.dim(), lengths=tuple(step.shape)),)))
+                                                            offsets=(0,) * len(shape), lengths=shape),)))
     return entries
 
 
@@ -390,6 +414,9 @@ def _z3_entries(groups, dp, tag, bf16, optim, root, sub_group_size) -> list[Tens
 
 # ---------------------------------------------------------------- writer
 
+GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (not imported: ~0.7 s)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepSpeedWriter:
     """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written).
@@ -416,7 +443,9 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     """The files and chunks of `source`'s training state as a DeepSpeed ZeRO-`zero_stage` checkpoint at dp.
 
     The source must carry DeepSpeed-style metadata (param groups, scheduler, ...): a DeepSpeed or
-    DeepSpeed-universal index. Precision is kept: bf16/fp16 sources give bf16/fp16 targets.
+    DeepSpeed-universal index. Precision is kept: bf16/fp16 sources give bf16/fp16 targets. A source that
+    keeps Adam's step per param group (Megatron) gets torch Adam's per-flat-group step
+    (`adam_step.derived_step`); the meta then asks for in-memory assembly (`writer_in_memory`).
     """
     if dp < 1 or zero_stage not in (1, 2, 3):
         raise PlanError(f"DeepSpeed target needs dp >= 1 and zero_stage in 1..3, got dp={dp} zero_stage={zero_stage}")
@@ -482,9 +511,12 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                             "partition_size": padded,
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
     model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
+    # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
+    # writer itself, so the optimizer files are assembled in memory (the in-place path only copies buffers)
+    step = None if has_step else derived_step(source)
     meta = {**m, "model_state": model_state, "state_report": state_report,
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
-            "has_step": has_step}
+            "has_step": has_step, "derived_step": step, "writer_in_memory": step is not None}
     files = [TargetFile(path="latest", role="latest", rank=None)]
     if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
@@ -528,18 +560,18 @@ def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
     step = ts.get("step")
     hparams = [dict(g) for g in ts.get("optimizer_param_groups") or [{}]][:len(groups)]
     hparams += [dict(hparams[-1]) for _ in range(len(groups) - len(hparams))]
-    import deepspeed
+    from importlib.metadata import version
 
     model_state = {"buffer_names": [], "optimizer": None, "frozen_param_shapes": None, "shared_params": {},
                    "frozen_param_fragments": None, "lr_scheduler": ts.get("lr_scheduler"), "data_sampler": None,
                    "random_ltd": None, "skipped_steps": 0, "global_steps": int(step or 0), "global_samples": 0,
                    "dp_world_size": int(source.meta.get("dp", 1)), "mp_world_size": 1,
-                   "ds_config": {"bf16": {"enabled": dtype == "bfloat16"}}, "ds_version": deepspeed.__version__,
+                   "ds_config": {"bf16": {"enabled": dtype == "bfloat16"}}, "ds_version": version("deepspeed"),
                    **dict(ts.get("client") or {})}
     return {"tag": f"global_step{int(step or 0)}", "dtype": dtype, "bf16_files": dtype == "bfloat16",
             "param_groups": groups, "module_keys": [n for g in groups for n, _ in g], "buffer_names": [],
             "param_group_hparams": hparams, "model_state": model_state, "loss_scaler": None,
-            "optimizer_flags": {}, "ds_version": deepspeed.__version__, "global_steps": step,
+            "optimizer_flags": {}, "ds_version": version("deepspeed"), "global_steps": step,
             "train_state": ts}
 
 
@@ -567,7 +599,7 @@ def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
 
 
 def _loss_scaler(meta: Mapping[str, Any]) -> Any:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from checkpoint.safe_load import DynamicLossScaler, LossScaler  # DeepSpeed's, without importing deepspeed
 
     spec = meta.get("loss_scaler")
     if spec is None:
@@ -579,9 +611,7 @@ def _loss_scaler(meta: Mapping[str, Any]) -> Any:
 
 
 def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from checkpoint.safe_load import ZeroStageEnum, fragment_address  # DeepSpeed's, without importing deepspeed
 
     stage, dp, rank = meta["stage"], meta["dp"], file.rank
     flags = meta["optimizer_flags"]
@@ -595,7 +625,9 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
         if meta["has_state"]:
             st = {}
             if meta["has_step"]:
-                st["step"] = buffers[paths[Kind.STEP]]
+                st["step"] = step_as_stored(buffers[paths[Kind.STEP]])
+            elif meta.get("derived_step") is not None:
+                st["step"] = step_tensor(meta["derived_step"])
             st["exp_avg"] = buffers[paths[Kind.EXP_AVG]]
             st["exp_avg_sq"] = buffers[paths[Kind.EXP_AVG_SQ]]
             state[gid] = st

@@ -6,22 +6,25 @@ gives a weights-only target (the plan summary says so). Canonical names are the 
 them into the HF names of `llama` (LlamaForCausalLM), `mixtral` (MixtralForCausalLM) and `gpt`
 (GPTNeoForCausalLM naming: separate q/k/v, LayerNorm, non-gated MLP). Files: `model.safetensors`
 or shards listed in `model.safetensors.index.json`; the writer writes one `model.safetensors`
-whose header metadata records the architecture.
+whose header metadata records the architecture, streaming it tensor by tensor in the layout
+`safetensors.torch.save` gives (same header, same tensor order, same bytes; metadata keys sorted).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from checkpoint.errors import CheckpointFormatError, PlanError
-from checkpoint.execute import SAFETENSORS
+from checkpoint.execute import SAFETENSORS, StreamPayload
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -176,17 +179,57 @@ def hf_target(source: CheckpointIndex, *, arch: str | None) -> TargetSpec:
     return TargetSpec(index=index, files=(file,))
 
 
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()} | {"uint16": "U16", "uint32": "U32", "uint64": "U64"}
+# safetensors stores tensors by dtype (its Dtype enum, largest first), then by name: the order kept here
+_ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
+
+
+def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]
+                       ) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The header bytes (length prefix included) of a safetensors file holding `tensors` (name, dtype,
+    shape) and, in file order, each tensor's (name, data begin, data end) relative to the data section."""
+    for name, dtype, _ in tensors:
+        if dtype not in _ST_CODES:
+            raise PlanError(f"safetensors cannot store tensor {name!r} of dtype {dtype}")
+    ordered = sorted(tensors, key=lambda t: (_ST_ORDER.index(_ST_CODES[t[1]]), t[0]))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    spans, pos = [], 0
+    for name, dtype, shape in ordered:
+        end = pos + math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        header[name] = {"dtype": _ST_CODES[dtype], "shape": list(shape), "data_offsets": [pos, end]}
+        spans.append((name, pos, end))
+        pos = end
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body, spans
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFWriter:
-    """Serializes the filled weights with `safetensors.torch.save` (architecture in the header)."""
+    """Writes the weights as safetensors (architecture in the header metadata), streaming: the header
+    first (shapes and dtypes are known from the plan), then each tensor's bytes as it is filled."""
+
+    streaming: bool = True
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
-        from safetensors.torch import save
-
         if file.role != "weights":
             raise PlanError(f"HF writer: unknown file role {file.role!r} for {file.path}")
-        return save({b.key[1]: buffers[b.key] for b in file.buffers},
-                    metadata={"format": "pt", ARCH_KEY: meta["architecture"]})
+        keys = {b.key[1]: b for b in file.buffers}
+        header, spans = safetensors_layout([(n, b.dtype, tuple(b.shape)) for n, b in keys.items()],
+                                           {"format": "pt", ARCH_KEY: meta["architecture"]})
+
+        def write(stream: BinaryIO) -> None:
+            stream.write(header)
+            for name, begin, end in spans:
+                t = buffers[keys[name].key]
+                data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                if len(data) != end - begin:
+                    raise PlanError(f"{file.path}: tensor {name!r} filled with {len(data)} bytes, the header says "
+                                    f"{end - begin}")
+                stream.write(data)
+                del t, data
+
+        return StreamPayload(write=write)
 
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:

@@ -248,8 +248,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
 
 def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
     """What ds_to_universal keeps of rank 0's optimizer file: everything but the sharded tensors."""
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from checkpoint.safe_load import ZeroStageEnum  # DeepSpeed's, without importing deepspeed
 
     stage, flags = meta["stage"], meta["optimizer_flags"]
     groups = [{**copy.deepcopy(hp), "params": [i]} for i, hp in enumerate(meta["param_group_hparams"])]
@@ -261,10 +260,11 @@ def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str,
                            "overflow": flags.get("overflow", False)}
     if stage == 3:
         out |= {"zero_stage": ZeroStageEnum(3), "partition_count": meta["dp"],
-                ds.OSD: {"state": {0: {"step": buffers[_Z3_STEP]}}, "param_groups": copy.deepcopy(groups)}}
+                ds.OSD: {"state": {0: {"step": ds.step_as_stored(buffers[_Z3_STEP])}},
+                         "param_groups": copy.deepcopy(groups)}}
     else:
         out |= {"clip_grad": flags.get("clip_grad", ds._ds_config(meta).get("gradient_clipping",
-                                                                           GRADIENT_CLIPPING_DEFAULT)),
+                                                                           ds.GRADIENT_CLIPPING_DEFAULT)),
                 "zero_stage": ZeroStageEnum(stage), "partition_count": [meta["dp"]] * len(groups),
                 "ds_version": meta["ds_version"]}
     out["param_groups"] = groups
