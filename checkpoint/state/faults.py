@@ -1,7 +1,9 @@
 """Test hooks: break a converted checkpoint's training state on purpose, so the checks must catch it.
 
-`inject_fault` applies one fault to a DeepSpeed checkpoint in place and re-hashes the changed
-files in its manifest. Client-state faults (what the resume stage checks directly):
+`inject_fault` applies one fault to a checkpoint in place and re-hashes the changed files in its
+manifest (DeepSpeed: every fault; Megatron-Core torch_dist: the two client-state faults, on ours in
+`common.pt` and on Megatron-LM's `rng_state` objects). Client-state faults (what the resume stage
+checks directly):
 * `shift_data`: the data position moved on by `batches` global batches (a dataloader that skips
   a batch; the resume stage reports the first step whose samples differ);
 * `reset_rng`: every rank's RNG re-seeded with the plain seed, as a tool that reseeds on load
@@ -114,13 +116,104 @@ def _edit_fp32_master(node: Any, fault: str) -> int:
     return count
 
 
+def _splice_objects(root: Path, replace: Mapping[str, bytes]) -> list[Path]:
+    """Rewrite the DCP objects named in `replace` (fqn -> new serialized bytes) inside their `.distcp`
+    files, shifting every later item of those files, and rewrite `.metadata` with the new byte ranges.
+    Each file is written to a temporary name and renamed; returns the files changed."""
+    import dataclasses
+    import os
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(root)).read_metadata()
+    by_file: dict[str, list[Any]] = {}
+    for idx, info in md.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append(idx)
+    touched = {md.storage_data[idx].relative_path for idx in md.storage_data if idx.fqn in replace}
+    missing = set(replace) - {idx.fqn for idx in md.storage_data}
+    if missing:
+        raise CheckpointFormatError(f"{root}/.metadata: no stored objects {sorted(missing)}")
+    def copy(src: Any, dst: Any, n: int) -> None:  # n bytes, in bounded chunks
+        while n > 0:
+            chunk = src.read(min(n, 1 << 24))
+            if not chunk:
+                raise CheckpointFormatError(f"{src.name}: ends before a stored item (truncated?)")
+            dst.write(chunk)
+            n -= len(chunk)
+
+    changed = []
+    for rel in sorted(touched):
+        tmp = root / f"{rel}.tmp"
+        with open(root / rel, "rb") as src, open(tmp, "wb") as dst:
+            for idx in sorted(by_file[rel], key=lambda i: md.storage_data[i].offset):
+                info = md.storage_data[idx]
+                copy(src, dst, info.offset - src.tell())  # any bytes between items stay as they are
+                start = dst.tell()
+                if idx.fqn in replace:
+                    dst.write(replace[idx.fqn])
+                    src.seek(info.length, os.SEEK_CUR)
+                else:
+                    copy(src, dst, info.length)
+                md.storage_data[idx] = dataclasses.replace(info, offset=start, length=dst.tell() - start)
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, root / rel)
+        changed.append(root / rel)
+    (root / ".metadata.tmp").write_bytes(pickle.dumps(md))
+    os.replace(root / ".metadata.tmp", root / ".metadata")
+    return changed + [root / ".metadata"]
+
+
+def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
+    """`shift_data` on ours (`migrate`) in `common.pt`; `reset_rng` on every `rng_state` object."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from checkpoint.execute import load_range
+    from checkpoint.formats.megatron import RNG_OBJECT_RE
+    from checkpoint.state.rng import from_megatron, to_megatron
+
+    if fault not in _CLIENT_FAULTS:
+        raise CheckpointFormatError(f"{root}: fault {fault!r} applies to DeepSpeed checkpoints; a Megatron-Core "
+                                    f"checkpoint takes {', '.join(_CLIENT_FAULTS)}")
+    common = safe_load.load(root / "common.pt")
+    ours = common.get(CLIENT_STATE_KEY)
+    if not isinstance(ours, Mapping) or "sampler" not in ours:
+        raise CheckpointFormatError(f"{root / 'common.pt'}: no {CLIENT_STATE_KEY!r} state with a sampler to inject "
+                                    f"{fault} into")
+    if fault == "shift_data":
+        common[CLIENT_STATE_KEY] = shift_data(ours, batches)
+        torch.save(common, root / "common.pt")
+        return [root / "common.pt"]
+    md = FileSystemReader(str(root)).read_metadata()
+    replace = {}
+    for idx, info in md.storage_data.items():
+        if RNG_OBJECT_RE.match(idx.fqn):
+            value = load_range(root / info.relative_path, int(info.offset), int(info.length))
+            states = [from_megatron(st, where=f"{root}: {idx.fqn}") for st in value[0]]
+            fresh = reset_rng({"sampler": ours["sampler"], "rng": states})["rng"]
+            buf = io.BytesIO()
+            torch.save([[to_megatron(st) for st in fresh]], buf)
+            replace[idx.fqn] = buf.getvalue()
+    if not replace:
+        raise CheckpointFormatError(f"{root}: no rng_state objects to inject reset_rng into")
+    return _splice_objects(root, replace)
+
+
 def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> list[Path]:
-    """Apply `fault` to the DeepSpeed checkpoint at `checkpoint` (a save dir with `latest`, or a tag
-    dir) in place; update `manifest.json` when present. Returns the files changed."""
+    """Apply `fault` to the checkpoint at `checkpoint` in place (DeepSpeed: a save dir with `latest`, or a
+    tag dir; Megatron-Core: an `iter_*` dir or a save dir naming one); update `manifest.json` when
+    present. Returns the files changed. Apply it to a copy: the source stays as it was only then."""
     from checkpoint.formats.deepspeed import resolve_tag_dir
+    from checkpoint.formats.megatron import is_megatron_checkpoint, resolve_iteration_dir
 
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    if is_megatron_checkpoint(checkpoint):
+        root = resolve_iteration_dir(checkpoint)
+        return _update_manifest(root, _inject_megatron(root, fault, batches))
     root, tag = resolve_tag_dir(checkpoint)
     changed = []
     if fault in _CLIENT_FAULTS or fault == "reset_lr":
@@ -149,6 +242,11 @@ def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> l
                 changed.append(path)
     if not changed:
         raise CheckpointFormatError(f"{root / tag}: nothing to apply fault {fault!r} to")
+    return _update_manifest(root, changed)
+
+
+def _update_manifest(root: Path, changed: list[Path]) -> list[Path]:
+    """Re-hash the changed files in `root/manifest.json` (when there is one); returns `changed`."""
     manifest = root / "manifest.json"
     if manifest.is_file():
         record = json.loads(manifest.read_text())

@@ -30,7 +30,7 @@ import torch
 from checkpoint.errors import PlanError
 
 Policy = Literal["carry", "replicate", "derive"]
-_STREAM_DEFAULT, _STREAM_TP, _STREAM_EP = 0, 1, 2
+_STREAM_DEFAULT, _STREAM_TP, _STREAM_EP, _STREAM_DP = 0, 1, 2, 3
 _PHILOX_STATE_BYTES = 16  # CUDA/NPU generator state: seed (8 bytes) + offset (8 bytes)
 
 
@@ -129,6 +129,83 @@ def restore_rng_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {name: _tensor(h) for name, h in state.get("trackers", {}).items()}
 
 
+# ---------------------------------------------------------------- Megatron-LM's per-rank form (pure)
+
+MEGATRON_RNG_KEY = "rng_state"  # Megatron-LM's ShardedObject key: global shape (pp, tp), replicas over DP
+
+
+def to_megatron(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` in Megatron-LM's per-rank form (`get_rng_state` in megatron/training/checkpointing.py):
+    random/np/torch/cuda generator states and the tracker states, loadable with weights_only (NumPy's
+    key as a list of ints; `cuda_rng_state` only when the state holds a device generator)."""
+    py, n = state["python"], state["numpy"]
+    out: dict[str, Any] = {
+        "random_rng_state": (int(py["version"]), tuple(int(x) for x in py["internal"]), py["gauss_next"]),
+        "np_rng_state": ("MT19937", [int(x) for x in n["key"]], int(n["pos"]), int(n["has_gauss"]),
+                         float(n["cached_gaussian"])),
+        "torch_rng_state": _tensor(state["torch"]),
+        "rng_tracker_states": {name: _tensor(h) for name, h in sorted(state.get("trackers", {}).items())},
+    }
+    devices = state.get("accelerator", [])
+    if len(devices) > 1:
+        raise PlanError(f"RNG state holds {len(devices)} device generators; Megatron keeps the current device's only")
+    if devices:
+        out["cuda_rng_state"] = _tensor(devices[0])
+    return out
+
+
+def from_megatron(state: Mapping[str, Any], *, where: str = "rng_state") -> dict[str, Any]:
+    """The plain-data state of one rank from Megatron-LM's per-rank form (inverse of `to_megatron`)."""
+    missing = {"random_rng_state", "np_rng_state", "torch_rng_state"} - set(state)
+    if missing:
+        raise PlanError(f"{where}: Megatron RNG state lacks {sorted(missing)} (has {sorted(state)})")
+    version, internal, gauss = state["random_rng_state"]
+    kind, key, pos, has_gauss, cached = state["np_rng_state"]
+    if kind != "MT19937":
+        raise PlanError(f"{where}: NumPy RNG state of kind {kind!r}, expected 'MT19937'")
+    cuda = state.get("cuda_rng_state")
+    return {
+        "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
+        "numpy": {"key": [int(x) for x in key], "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": _hex(state["torch_rng_state"]),
+        "accelerator": [_hex(cuda)] if cuda is not None else [],
+        "trackers": {name: _hex(t) for name, t in sorted((state.get("rng_tracker_states") or {}).items())},
+    }
+
+
+def megatron_rng_objects(states: Sequence[Mapping[str, Any]],
+                         roles_: Sequence[RankRole]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Per (pp, tp): the list Megatron-LM stores in its `rng_state` ShardedObject, in plain-data form:
+    one state when every DP rank of that (pp, tp) holds the same one (Megatron's default), else one
+    per DP rank in DP order (as with `data_parallel_random_init`, or distinct expert streams); pure."""
+    groups: dict[tuple[int, int], dict[int, Mapping[str, Any]]] = {}
+    for state, role in zip(states, roles_, strict=True):
+        groups.setdefault((role.pp, role.tp), {})[role.dp] = state
+    out = {}
+    for key, by_dp in sorted(groups.items()):
+        ordered = [dict(by_dp[d]) for d in sorted(by_dp)]
+        same = len({fingerprint(s) for s in ordered}) == 1
+        out[key] = ordered[:1] if same else ordered
+    return out
+
+
+def expand_megatron_rng(objects: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]],
+                        roles_: Sequence[RankRole], *, where: str = "rng_state") -> list[dict[str, Any]]:
+    """Every rank's state from the per-(pp, tp) lists (one state for all DP ranks, or one per DP rank);
+    raises PlanError naming the missing (pp, tp) or a list of another DP size."""
+    out = []
+    for role in roles_:
+        states = objects.get((role.pp, role.tp))
+        if states is None:
+            raise PlanError(f"{where}: no RNG state for pp {role.pp} tp {role.tp} (saved for {sorted(objects)})")
+        if len(states) not in (1, role.dp_size):
+            raise PlanError(f"{where}: pp {role.pp} tp {role.tp} holds {len(states)} RNG states, neither 1 nor "
+                            f"dp({role.dp_size})")
+        out.append(dict(states[0] if len(states) == 1 else states[role.dp]))
+    return out
+
+
 # ---------------------------------------------------------------- pure: derivation and fingerprints
 
 def fingerprint(state: Mapping[str, Any]) -> str:
@@ -151,7 +228,8 @@ def _generator_state_like(example_hex: str, seed: int) -> str:
 def derive_rng_state(*, seed: int, step: int, role: RankRole, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A fresh state from (seed, step, role); pure. The default generators depend on (seed, step, pp)
     only (identical across TP and DP, as Megatron seeds them); tracker streams named in `like` (or
-    none) add the TP index ("model-parallel" streams) or TP and EP indices (expert streams).
+    none) add the TP index ("model-parallel" streams) or TP and EP indices (expert streams), except
+    Megatron's "data-parallel" stream, which like the default generator depends on pp only.
     `like` also fixes the number and byte format of accelerator and tracker states."""
     like = like or {}
     base = _seed(seed, step, _STREAM_DEFAULT, role.pp)
@@ -159,8 +237,8 @@ def derive_rng_state(*, seed: int, step: int, role: RankRole, like: Mapping[str,
     np_state = np.random.RandomState(base).get_state(legacy=False)
     trackers = {}
     for name, example in sorted(like.get("trackers", {}).items()):
-        stream = _STREAM_EP if "expert" in name else _STREAM_TP
-        coords = (role.pp, role.tp, role.ep) if stream == _STREAM_EP else (role.pp, role.tp)
+        stream = _STREAM_EP if "expert" in name else _STREAM_DP if "data-parallel" in name else _STREAM_TP
+        coords = {_STREAM_EP: (role.pp, role.tp, role.ep), _STREAM_DP: (role.pp,)}.get(stream, (role.pp, role.tp))
         trackers[name] = _generator_state_like(example, _seed(seed, step, stream, *coords))
     return {
         "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},

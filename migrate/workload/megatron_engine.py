@@ -11,7 +11,8 @@ On CPUs it runs inside `migrate.device.cpu_device_adapter()`.
 
 The checkpoint holds `model` (`model0`, `model1`, ... with virtual stages), `optimizer`
 (sharding type `distrib_optim_sharding_type`, default 'dp_reshardable'; 0.16.1's default
-fails on save), `iteration`, `checkpoint_version` and `migrate` (sampler state, step).
+fails on save), `iteration`, `checkpoint_version`, `rng_state` (every rank's RNG as Megatron-LM saves
+it) and `migrate` (sampler state, step, data position, consumed tokens, model spec).
 """
 from __future__ import annotations
 
@@ -80,16 +81,17 @@ def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
 def _build_chunks(model: ModelSpec, spec: RunSpec, config: Any) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    layer_spec = get_gpt_layer_local_spec(num_experts=model.num_experts if model.is_moe else None,
-                                          moe_grouped_gemm=False,
-                                          normalization="RMSNorm" if model.gated_ffn else "LayerNorm")
+    from migrate.workload.megatron_norm import gpt_block_spec
+
     chunks = []
     for vp_stage in range(spec.vpp):
         stage = vp_stage if spec.vpp > 1 else None
+        # Local-spec layers whose norms are torch norms marked for sequence parallel (megatron_norm.py).
+        block_spec = gpt_block_spec(config, num_experts=model.num_experts if model.is_moe else None,
+                                    normalization="RMSNorm" if model.gated_ffn else "LayerNorm", vp_stage=stage)
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=model.padded_vocab_size(spec.tp),
+            config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size(spec.tp),
             max_sequence_length=model.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -119,13 +121,31 @@ def _micro_batches(dataset: TokenDataset, indices: list) -> list[dict]:
 
 
 def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, loading: bool,
-                model: ModelSpec | None = None, sharding_type: str = OPTIMIZER_SHARDING_TYPE) -> dict:
-    """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, ours (sampler,
-    step and the model spec, so converters know the architecture from the checkpoint alone)."""
+                model: ModelSpec | None = None, sharding_type: str = OPTIMIZER_SHARDING_TYPE,
+                rng: list | None = None, data: dict | None = None, consumed_tokens: int | None = None) -> dict:
+    """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, the RNG states as
+    Megatron-LM's `rng_state` ShardedObject (global shape (pp, tp), one replica per DP rank; `rng` is the
+    list it holds: one state, or one per DP rank when they differ), ours (sampler, step, data position,
+    consumed tokens and the model spec, so converters know the architecture from the checkpoint alone)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from checkpoint.state.rng import MEGATRON_RNG_KEY
+
     ours: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step}
+    if data is not None:
+        ours["data"] = data
+    if consumed_tokens is not None:
+        ours["consumed_tokens"] = consumed_tokens
     if model is not None:
         ours["model"] = dataclasses.asdict(model)
     state: dict[str, Any] = {"iteration": step, "checkpoint_version": 3.0, "migrate": ours}
+    if rng is not None:
+        state[MEGATRON_RNG_KEY] = ShardedObject(
+            MEGATRON_RNG_KEY, rng,
+            (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+            replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     if len(chunks) == 1:
         state["model"] = chunks[0].module.sharded_state_dict()
     else:
@@ -136,16 +156,132 @@ def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, 
     return state
 
 
+def seed_host_rng(seed: int) -> None:
+    """Seed Python's and NumPy's generators as Megatron-LM's `_set_random_seed` does (seed + 100 * pp rank),
+    so DP and TP peers start with one state and PP stages with distinct ones. The torch generators are
+    left to `model_parallel_cuda_manual_seed(seed)` (the model's initialisation does not change)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+
+
+def rank_rng_state(device_type: str) -> dict[str, Any]:
+    """This rank's RNG states as Megatron-LM's `get_rng_state` collects them: Python, NumPy, torch CPU,
+    the device generator (not on CPUs, where the adapter maps it onto the CPU generator) and the
+    model-parallel RNG tracker's streams; NumPy's key as a list so that it loads with weights_only."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {"random_rng_state": random.getstate(),
+             "np_rng_state": (str(kind), [int(x) for x in key], int(pos), int(has_gauss), float(cached)),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": {name: t.clone() for name, t in
+                                    tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
+    if device_type != "cpu":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _gathered_rng(device_type: str) -> list:
+    """The list the `rng_state` object holds (collective over the DP group): this rank's state when every
+    DP peer holds the same one (Megatron-LM's default), else every DP rank's state in DP order."""
+    from megatron.core import parallel_state as ps
+
+    from checkpoint.state.rng import fingerprint, from_megatron
+
+    mine = rank_rng_state(device_type)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    distinct = {fingerprint(from_megatron(g)) for g in gathered}
+    return [mine] if len(distinct) == 1 else gathered
+
+
+def _restore_rng(saved: list, where: str, device_type: str) -> str:
+    """Set this rank's generators and tracker streams from the `rng_state` list as Megatron-LM's load does
+    (entry [dp rank] when it holds one state per DP rank, else [0]); returns how it was restored."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from checkpoint.state.rng import fingerprint, from_megatron
+
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    if len(saved) not in (1, dp):
+        raise RuntimeError(f"{where}: rng_state holds {len(saved)} per-DP-rank states but this run has dp({dp}); "
+                           "convert the checkpoint for this layout")
+    state = saved[dp_rank] if len(saved) > 1 else saved[0]
+    kind, key, pos, has_gauss, cached = state["np_rng_state"]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None:
+        if device_type == "cpu":
+            raise RuntimeError(f"{where}: rng_state holds a device generator but this run is on the CPU")
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    trackers = state.get("rng_tracker_states") or {}
+    if not trackers:
+        raise RuntimeError(f"{where}: rng_state holds no model-parallel RNG tracker states")
+    tensor_parallel.get_cuda_rng_tracker().set_states({name: t.clone() for name, t in trackers.items()})
+    return f"restored ({fingerprint(from_megatron(state))})"
+
+
+def rng_fingerprint(device_type: str) -> str:
+    """Fingerprint of this rank's RNG state in the canonical form the converter reports (`state_report.json`)."""
+    from checkpoint.state.rng import fingerprint, from_megatron
+
+    return fingerprint(from_megatron(rank_rng_state(device_type)))
+
+
+@dataclasses.dataclass
+class _RngTrace(StepTrace):
+    """StepTrace whose per-step RNG fingerprint includes the device generator and the tracker streams."""
+
+    device_type: str = "cpu"
+
+    def record(self, global_indices: Any) -> None:
+        self.samples.append([int(i) for i in global_indices])
+        self.rng.append(rng_fingerprint(self.device_type))
+
+
 def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str,
-                    model: ModelSpec | None = None) -> str:
-    """Write `iter_<step>` with dist_checkpointing (torch_dist) and update the tracker file."""
+                    model: ModelSpec | None = None, micro_batch_size: int | None = None,
+                    device_type: str = "cpu") -> str:
+    """Write `iter_<step>` with dist_checkpointing (torch_dist) and update the tracker file (collective).
+
+    Besides model and optimizer it saves every rank's RNG (`rng_state`) and, in ours, the data position
+    (each DP rank's consumed samples, a global count equal on every rank; micro batch and dp) and the
+    consumed tokens."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     path = iteration_dir(save_dir, step)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
+    rng = _gathered_rng(device_type)
+    dp = ps.get_data_parallel_world_size()
+    consumed: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(consumed, (ps.get_data_parallel_rank(), sampler.consumed_samples))
+    by_dp = dict(sorted(set(consumed)))
+    if sorted(by_dp) != list(range(dp)) or len(set(consumed)) != dp:
+        raise RuntimeError(f"inconsistent data position at save: (dp rank, consumed samples) per rank {consumed}")
+    data = None if micro_batch_size is None else {
+        "micro_batch_size": micro_batch_size, "dp": dp, "consumed_samples_per_rank": list(by_dp.values())}
+    tokens = None if model is None else sampler.consumed_samples * model.seq_length
     dist.barrier()
-    dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False, model=model), path)
+    dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False, model=model, rng=rng,
+                                        data=data, consumed_tokens=tokens), path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, TRACKER_FILE), "w", encoding="utf-8") as f:
@@ -233,14 +369,43 @@ def saved_sharding_type(path: str) -> str:
         else OPTIMIZER_SHARDING_TYPE
 
 
-def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_dir: str) -> tuple[int, SamplerState]:
-    """Load model, optimizer and our state with dist_checkpointing; (step, sampler state)."""
+def _saved_rng_key(path: str) -> str | None:
+    """The unique key of this rank's `rng_state` object when the checkpoint holds it (None when it was saved
+    without RNG or for another (pp, tp) grid, which Megatron-LM ignores too: "RNG state will be ignored")."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from checkpoint.state.rng import MEGATRON_RNG_KEY
+
+    key = (f"{MEGATRON_RNG_KEY}/shard_{ps.get_pipeline_model_parallel_rank()}.{ps.get_tensor_model_parallel_rank()}_"
+           f"{ps.get_pipeline_model_parallel_world_size()}.{ps.get_tensor_model_parallel_world_size()}")
+    return key if key in FileSystemReader(path).read_metadata().state_dict_metadata else None
+
+
+def _check_data_position(ours: dict, sampler: SamplerState, where: str) -> None:
+    """Refuse a saved data position whose per-DP-rank counts disagree with each other or with the sampler."""
+    data = ours.get("data")
+    if data is None:
+        return
+    per_rank = [int(c) for c in data.get("consumed_samples_per_rank", [])]
+    if set(per_rank) != {sampler.consumed_samples}:
+        raise ValueError(f"{where}: inconsistent data position: migrate.data.consumed_samples_per_rank {per_rank} "
+                         f"vs migrate.sampler.consumed_samples {sampler.consumed_samples}")
+
+
+def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_dir: str,
+                    device_type: str = "cpu") -> tuple[int, SamplerState]:
+    """Load model, optimizer, this rank's RNG (when saved for this (pp, tp) grid) and our state with
+    dist_checkpointing; (step, sampler state). Refuses another global batch size and an inconsistent
+    data position."""
     from megatron.core import dist_checkpointing
 
     path = resolve_load_dir(load_dir)
     _prime_adam_state(optimizer)
     sharding_type = saved_sharding_type(path)
-    template = _state_dict(chunks, optimizer, 0, sampler, loading=True, sharding_type=sharding_type)
+    rng_key = _saved_rng_key(path)
+    template = _state_dict(chunks, optimizer, 0, sampler, loading=True, sharding_type=sharding_type,
+                           rng=[rank_rng_state(device_type)] if rng_key else None)
     loaded = dist_checkpointing.load(template, path)
     if len(chunks) == 1:
         chunks[0].module.load_state_dict(loaded["model"])
@@ -259,15 +424,33 @@ def load_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, load_di
     ours = loaded["migrate"]
     if int(loaded["iteration"]) != int(ours["step"]):
         raise RuntimeError(f"{path}: iteration({loaded['iteration']}) != migrate step({ours['step']})")
-    return int(ours["step"]), SamplerState.from_state_dict(ours["sampler"])
+    saved = SamplerState.from_state_dict(ours["sampler"])
+    if saved.global_batch_size != sampler.global_batch_size:
+        raise ValueError(f"{path}: saved global_batch_size({saved.global_batch_size}) != run's "
+                         f"({sampler.global_batch_size}); the global sample order would change")
+    _check_data_position(ours, saved, path)
+    if rng_key:
+        from checkpoint.state.rng import MEGATRON_RNG_KEY
+
+        _restore_rng(loaded[MEGATRON_RNG_KEY], f"{path} ({rng_key})", device_type)
+    return int(ours["step"]), saved
 
 
 def check_sequence_parallel(spec: RunSpec, device_type: str) -> None:
-    """Sequence parallel needs Transformer Engine or Apex norms: megatron-core 0.16.1's torch
-    fallback (WrappedTorchNorm) asserts it off, so CPU runs refuse it up front."""
-    if spec.sequence_parallel and spec.tp > 1 and device_type == "cpu":
-        raise ValueError(f"sequence_parallel with tp({spec.tp}) on the CPU: megatron-core's torch norm fallback "
-                         "does not support it (needs Transformer Engine or Apex); run it on an accelerator")
+    """Check a sequence-parallel layout before Megatron-Core is started, on any device.
+
+    Sequence parallel runs on the CPU too: the norms are torch norms marked for it
+    (`megatron_norm.SequenceParallelTorchNorm`; 0.16.1's own torch fallback asserts it off).
+    It needs tp > 1 and a sequence length tp divides (Gloo refuses uneven all-gathers);
+    Megatron-Core wants it whenever experts are split at tp > 1, so MoE at ep > 1 and tp > 1
+    without it is refused here rather than warned about.
+    """
+    if spec.sequence_parallel and spec.tp > 1 and spec.model.seq_length % spec.tp:
+        raise ValueError(f"sequence_parallel: tp({spec.tp}) does not divide model.seq_length({spec.model.seq_length}) "
+                         f"(device {device_type})")
+    if spec.model.is_moe and spec.ep > 1 and spec.tp > 1 and not spec.sequence_parallel:
+        raise ValueError(f"MoE with ep({spec.ep}) and tp({spec.tp}) needs sequence_parallel "
+                         "(Megatron-Core's alltoall dispatcher expects sequence-parallel tokens)")
 
 
 def train_megatron(ctx: Any, spec: RunSpec) -> RankResult:
@@ -298,6 +481,7 @@ def _train(ctx: Any, spec: RunSpec) -> RankResult:
         virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
         expert_model_parallel_size=spec.ep)
     try:
+        seed_host_rng(train.seed)
         model_parallel_cuda_manual_seed(train.seed)
         config = transformer_config(model_spec, spec, ctx.world_size)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -314,7 +498,10 @@ def _train(ctx: Any, spec: RunSpec) -> RankResult:
                                global_batch_size=train.global_batch_size)
         start_step = 0
         if spec.load_dir:
-            start_step, sampler = load_checkpoint(chunks, optimizer, sampler, spec.load_dir)
+            from migrate.workload.megatron_legacy import is_legacy_checkpoint, load_legacy_checkpoint
+
+            load = load_legacy_checkpoint if is_legacy_checkpoint(spec.load_dir) else load_checkpoint  # mp_rank_* dirs
+            start_step, sampler = load(chunks, optimizer, sampler, spec.load_dir, device_type=ctx.device_type)
         return _loop(ctx, spec, chunks, optimizer, sampler, start_step, get_forward_backward_func())
     finally:
         ps.destroy_model_parallel()
@@ -334,7 +521,7 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
-    trace = StepTrace()
+    trace = _RngTrace(device_type=ctx.device_type)
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
@@ -370,8 +557,12 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
             metrics.append(record)
             message = log.write(record)
             if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
-                checkpoints.append(save_checkpoint(chunks, optimizer, step + 1, sampler, spec.save_dir,
-                                                   model=model_spec))
+                from migrate.workload.megatron_legacy import save_legacy_checkpoint
+
+                save = save_legacy_checkpoint if spec.checkpoint_format == "torch" else save_checkpoint
+                checkpoints.append(save(chunks, optimizer, step + 1, sampler, spec.save_dir,
+                                                   model=model_spec, micro_batch_size=train.micro_batch_size,
+                                                   device_type=ctx.device_type))
             if message and spec.stop_on_nonfinite:
                 stopped = message
                 break
