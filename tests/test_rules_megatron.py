@@ -112,13 +112,36 @@ def test_flat_runs_cover_each_element_once(lengths, data):
     assert seen[lo:hi].eq(1).all() and seen.sum() == hi - lo
 
 
-def test_tied_embeddings_are_refused_by_name():
-    """The rules model separate input/output embeddings; a tied model is refused, naming the field."""
-    from checkpoint.errors import CheckpointFormatError
+def test_tied_embeddings_are_one_canonical_tensor():
+    """Tied input/output embeddings: the canonical model has no lm_head; at PP 2 the last stage's copy sits
+    in its optimizer bucket (and is skipped: its state is the embedding's), at PP 1 it does not exist."""
+    from checkpoint.api import plan_conversion
+    from checkpoint.formats.megatron import bucket_layouts, domain_params, separate_bucket_keys
     from checkpoint.formats.megatron_synth import synthetic_index
+    from checkpoint.index import Kind
     from checkpoint.layout import ParallelLayout
 
     tied = ArchSpec(architecture="llama", num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                    num_query_groups=1, vocab_size=50, tied_embeddings=True)
-    with pytest.raises(CheckpointFormatError, match="tied_embeddings=True"):
-        synthetic_index(tied, ParallelLayout(tp=1))
+                    num_query_groups=2, vocab_size=50, tied_embeddings=True)
+    names = {n for n, _ in canonical_tensors(tied)}
+    assert "embed_tokens.weight" in names and "lm_head.weight" not in names
+
+    def params(pp, pp_rank):
+        return domain_params(tied, tp=1, pp=pp, vpp=1, ep=1, tp_rank=0, pp_rank=pp_rank, vp_stage=0, ep_rank=0,
+                             experts=False)
+
+    assert "output_layer.weight" not in [p.rule.key for p in params(1, 0)]
+    assert params(2, 1)[-1].rule.key == "output_layer.weight"  # the last stage's copy
+    separate = separate_bucket_keys(tied, 2)  # Megatron's shared_embedding: a bucket of its own (reverse order)
+
+    def buckets(pp_rank):
+        return [[p.rule.key for p, _ in b] for b, _ in bucket_layouts(params(2, pp_rank), separate)]
+
+    assert len(buckets(0)) == 2 and buckets(0)[1] == ["embedding.word_embeddings.weight"]
+    assert len(buckets(1)) == 2 and buckets(1)[0] == ["output_layer.weight"]
+    for layout in (ParallelLayout(tp=1), ParallelLayout(tp=2, pp=2, dp=2)):
+        index = synthetic_index(tied, layout)
+        masters = {e.key.name for e in index.entries if e.key.kind is Kind.MASTER}
+        assert masters == names, sorted(masters ^ names)
+        plan, _ = plan_conversion(index, to="megatron", tp=2, pp=1, dp=1)
+        assert {e.key.name for e in plan.target.index.entries} == names

@@ -7,14 +7,16 @@ the keys of `checkpoint.rules.megatron`; the DistributedOptimizer state is eithe
 * dp_reshardable (what the training engine writes): per (TP, PP[, EP]) domain one flat bucket per
   grad buffer, `[chained_{c}.]optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}.dtype_{..}.
   bucket_idx_{b}.{param|exp_avg|exp_avg_sq}`, params in reverse named_parameters order, each start
-  padded to 64 elements (Megatron-Core's `_ParamAndGradBuffer`), or
+  padded to 64 elements (Megatron-Core's `_ParamAndGradBuffer`; tied embeddings at PP > 1 get a bucket of
+  their own), or
 * fully_reshardable (what the writer emits): `[chained_{c}.]optimizer.state.{param|exp_avg|exp_avg_sq}.<model key>`
   with the model tensor's global shape, loadable by Megatron-Core at any TP/PP/EP/DP (`chained_` only under
   expert parallelism, where Megatron-Core gives the experts their own optimizer). The writer lays the
   chunks out for a target layout: each (TP, PP, EP) shard, one box per layer/expert, goes to one of its
   data-parallel ranks (balanced by bytes), rank r writing `__{r}_0.distcp`; common.pt records the layout.
 Chunks point into DCP blobs with key `(BYTE_RANGE, byte offset, byte length)`; the index is canonical
-(HF-style names, QKV and GLU unfused, vocab padding dropped), so any layout maps onto any other.
+(HF-style names, QKV and GLU unfused, vocab padding dropped, tied embeddings one tensor), so any layout
+maps onto any other, and onto other frameworks' formats.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
-from checkpoint.state.training_state import CLIENT_STATE_KEY
-from checkpoint.rules.megatron import (RULES, ArchSpec, TensorRule, canonical_name, canonical_tensors, expert_range,
-                                       flat_run_boxes, hf_order, holds_model_tensor, matrix_shape, segments,
-                                       stacked_shape, stage_layers, tp_local_cols, tp_local_rows)
+from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
+                                  role_from_dict, roles, to_megatron)
+from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
+                                             report_dict)
+from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
+                                       canonical_tensors, expert_range, flat_run_boxes, hf_order, holds_model_tensor,
+                                       holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
+                                       stored_rules, tp_local_cols, tp_local_rows)
 
 FORMAT = "megatron"
 STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
@@ -190,8 +196,9 @@ def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_ran
     if experts:  # experts are named mlp.experts.local_experts.{i}.linear_fc{1,2}: per expert, fc1 then fc2
         out.sort(key=lambda p: (p.layer, p.expert))
     elif all(holds_model_tensor(r, pp, vpp, pp_rank, vp_stage) for r in last):
-        for rule in last:
-            add(rule, None, None)
+        for rule in last:  # tied embeddings: the last stage's output weight only when it is not the first stage
+            if rule.key != OUTPUT_KEY or holds_output_copy(arch, pp, vpp):
+                add(rule, None, None)
     return out
 
 
@@ -204,6 +211,36 @@ def bucket_layout(params: list[LocalParam]) -> tuple[list[tuple[LocalParam, int]
         end = pos + p.numel
         pos = end
     return placed, end
+
+
+def separate_bucket_keys(arch: ArchSpec, pp: int) -> frozenset[str]:
+    """Keys whose param Megatron-Core's DistributedOptimizer buckets alone: the shared embedding and the
+    last stage's output copy of tied embeddings at PP > 1 (`shared_embedding`)."""
+    return frozenset({"embedding.word_embeddings.weight", OUTPUT_KEY}) if arch.tied_embeddings and pp > 1 \
+        else frozenset()
+
+
+def bucket_layouts(params: list[LocalParam], separate: frozenset[str] = frozenset()
+                   ) -> list[tuple[list[tuple[LocalParam, int]], int]]:
+    """Megatron-Core's buckets of one grad buffer (`_ParamAndGradBuffer`, no bucket_size): params in reverse
+    order, each start 64-aligned; a param whose key is in `separate` gets a bucket of its own. Per bucket
+    [(param, start element in the bucket)] and the bucket's unpadded numel."""
+    buckets: list[tuple[list[tuple[LocalParam, int]], int]] = []
+    cur: list[tuple[LocalParam, int]] = []
+    pos = end = 0
+    for p in reversed(params):
+        if p.rule.key in separate and cur:
+            buckets.append((cur, end))
+            cur, pos = [], 0
+        pos = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
+        cur.append((p, pos))
+        end = pos = pos + p.numel
+        if p.rule.key in separate:
+            buckets.append((cur, end))
+            cur, pos = [], 0
+    if cur:
+        buckets.append((cur, end))
+    return buckets
 
 
 def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: int) -> list[_Piece]:
@@ -232,16 +269,7 @@ def _arch_from_common(common: Mapping[str, Any], root: Path) -> ArchSpec:
     if not isinstance(model, Mapping):
         raise CheckpointFormatError(f"{root / 'common.pt'}: no migrate.model (architecture) entry; the converter "
                                     f"needs the model spec that the migrate Megatron engine saves")
-    return _untied(ArchSpec.from_dict(dict(model)), str(root / "common.pt"))
-
-
-def _untied(arch: ArchSpec, where: str) -> ArchSpec:
-    """The rules describe separate input and output embeddings; refuse tied ones by name (Megatron stores
-    the last stage's copy under the embedding key and may bucket it apart, which the rules do not model)."""
-    if arch.tied_embeddings:
-        raise CheckpointFormatError(f"{where}: tied input/output embeddings (tied_embeddings=True) are not covered "
-                                    f"by the Megatron rules; convert a model with separate embeddings")
-    return arch
+    return ArchSpec.from_dict(dict(model))
 
 
 def _storage(md: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
@@ -283,7 +311,8 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     storage = _storage(md)
     rules = RULES[arch.architecture].by_key()
     tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
-    out_rows = tensors["output_layer.weight"].size[0] if "output_layer.weight" in tensors else arch.padded_vocab(1)
+    vocab_key = OUTPUT_KEY if OUTPUT_KEY in tensors else "embedding.word_embeddings.weight"  # tied: one tensor
+    out_rows = tensors[vocab_key].size[0] if vocab_key in tensors else arch.padded_vocab(1)
     layout = _infer_layout(tensors, storage, common)
     for name, want, got in (("tp", expect_tp, layout["tp"]), ("pp", expect_pp, layout["pp"]),
                             ("ep", expect_ep, layout["ep"]), ("dp", expect_dp, layout["dp"])):
@@ -334,7 +363,8 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
             "sharding": sharding, "common": _common_meta(common),
             "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
             "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype),
-            "train_state": _train_state(arch, common, groups)}
+            "train_state": canonical_train_state(arch, common, groups,
+                                                 _rng_from_metadata(md, storage, root, layout))}
     files = tuple(sorted({info.relative_path for info in storage.values()} | {"common.pt", "metadata.json", ".metadata"}))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=meta)
 
@@ -379,15 +409,16 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
             continue
         chain, d, g, bucket = int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(5))
         experts = moe and chain == 1
-        if bucket != 0:
-            raise CheckpointFormatError(f"{root}: {key}: more than one bucket per grad buffer (bucket_size set) is "
-                                        f"not supported")
         tp_rank = d % tp
         ep_rank = (d // tp) % ep if experts else 0
         pp_rank = d // (tp * ep) if experts else d // tp
         params = domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=g,
                                ep_rank=ep_rank, experts=experts)
-        placed, numel = bucket_layout(params)
+        layouts = bucket_layouts(params, separate_bucket_keys(arch, pp) if not experts else frozenset())
+        if bucket >= len(layouts):
+            raise CheckpointFormatError(f"{root}: {key}: bucket {bucket} but the rules give {len(layouts)} bucket(s) "
+                                        f"for this grad buffer (a bucket_size set in training is not supported)")
+        placed, numel = layouts[bucket]
         if (numel,) != tuple(tmd.size):
             raise LayoutMismatchError(
                 f"{root}: {key} holds {tuple(tmd.size)} elements but the rules give {numel} for tp_rank={tp_rank} "
@@ -400,6 +431,8 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
             for p, start in placed:
                 if p.rule.tp_dim is None and tp_rank != 0:
                     continue  # a TP-replicated param: every TP domain holds a copy; index TP rank 0's
+                if p.rule.key == OUTPUT_KEY and arch.tied_embeddings:
+                    continue  # the last stage's copy of tied embeddings: its state is the embedding's
                 lo, hi = max(c0, start), min(c0 + cn, start + p.numel)
                 if lo < hi:
                     pieces += param_flat_pieces(arch, p, lo - start, hi - start, lo - c0)
@@ -407,11 +440,13 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
         yield key, kind, dtype_name(tmd.properties.dtype), out
 
 
-def _train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any]) -> dict[str, Any]:
+def canonical_train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any],
+                 rng: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The canonical training state other formats' writers start from: step, LR schedule position (the
-    built-in engines' `ScheduledLR` state), the client state of the built-in workloads (sampler, step),
-    params in the HF module order as one group with the first Megatron group's hyper-parameters
-    (Megatron's no-decay group for norms/biases differs only in wd_mult)."""
+    built-in engines' `ScheduledLR` state), the client state of the built-in workloads (sampler, step,
+    data position), params in the HF module order as one group with the first Megatron group's
+    hyper-parameters (Megatron's no-decay group for norms/biases differs only in wd_mult), and every
+    source rank's RNG state with its role (`rng`: {"states", "roles"}, None when none was saved)."""
     ours = dict(common.get("migrate") or {})
     step = ours.get("step", common.get("iteration"))
     hparams = []
@@ -421,7 +456,72 @@ def _train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any]) -
     client = {k: v for k, v in ours.items() if k not in ("model", "layout")}
     return {"step": step, "lr_scheduler": None if step is None else {"last_step": int(step)},
             "client": {CLIENT_STATE_KEY: client} if client else {}, "param_names": hf_order(arch),
-            "optimizer_param_groups": hparams, "optimizer_group_params": [hf_order(arch)]}
+            "optimizer_param_groups": hparams, "optimizer_group_params": [hf_order(arch)], "rng": rng}
+
+
+# ---------------------------------------------------------------- training state: RNG, data position, counters
+
+RNG_OBJECT_RE = re.compile(rf"^{MEGATRON_RNG_KEY}/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
+
+
+def _rng_from_metadata(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: Path,
+                       layout: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Every saved rank's RNG state (plain data) and role from Megatron-LM's `rng_state` ShardedObjects
+    (one per (pp, tp), holding one state for all DP ranks or one per DP rank); None when none was saved.
+    Reads only those small objects."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    grids = set()
+    for fqn, tmd in md.state_dict_metadata.items():
+        m = RNG_OBJECT_RE.match(fqn)
+        if not m or not isinstance(tmd, BytesStorageMetadata):
+            continue
+        pp_rank, tp_rank, pp, tp = map(int, m.groups())
+        grids.add((pp, tp))
+        info = storage[(fqn, ())]
+        value = load_range(root / info.relative_path, int(info.offset), int(info.length))
+        states = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
+        if not isinstance(states, list) or not states:
+            raise CheckpointFormatError(f"{root}: {fqn} holds {type(states).__name__}, not a list of RNG states")
+        objects[(pp_rank, tp_rank)] = [from_megatron(st, where=f"{root}: {fqn}") for st in states]
+    if not objects:
+        return None
+    if grids != {(layout["pp"], layout["tp"])}:
+        raise CheckpointFormatError(f"{root}: rng_state objects saved for (pp, tp) grids {sorted(grids)} but the "
+                                    f"checkpoint's layout is pp={layout['pp']} tp={layout['tp']}")
+    dp = layout["dp"] or max(len(v) for v in objects.values())
+    src = roles(tp=layout["tp"], pp=layout["pp"], dp=dp, ep=layout["ep"] or 1)
+    return {"states": expand_megatron_rng(objects, src, where=f"{root}: {MEGATRON_RNG_KEY}"),
+            "roles": [r.as_dict() for r in src]}
+
+
+def target_training_state(m: Mapping[str, Any], layout: ParallelLayout) -> dict[str, Any]:
+    """Writer meta for the target's training state: `common` with ours converted (data position for the
+    target DP, counters carried), `rng_objects` ([pp, tp, states] per target `rng_state` object, each
+    rank's state carried / copied from a DP peer / derived by `checkpoint.state.rng`'s policy) and the
+    `state_report` (policy and reason per state). Pure; raises DataPositionError on inconsistent
+    per-rank positions."""
+    common = dict(m["common"])
+    ours = dict(common.get("migrate") or {})
+    client = {k: v for k, v in ours.items() if k not in ("model", "layout")}
+    rng = (m.get("train_state") or {}).get("rng")
+    if rng:
+        client["rng"], client["roles"] = rng["states"], rng["roles"]
+    target_roles = roles(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
+    counters = {k: common[k] for k in ("iteration",) if common.get(k) is not None}
+    converted, report = convert_model_state({CLIENT_STATE_KEY: client, **counters}, target_roles)
+    new = dict(converted[CLIENT_STATE_KEY])
+    states, saved_roles = new.pop("rng", None), new.pop("roles", None)
+    rng_objects = []
+    if states is not None:
+        grid = megatron_rng_objects(states, [role_from_dict(r) for r in saved_roles])
+        rng_objects = [[pp_rank, tp_rank, grid[(pp_rank, tp_rank)]] for pp_rank, tp_rank in sorted(grid)]
+    common["migrate"] = {**new, **{k: ours[k] for k in ("model",) if k in ours}}
+    src = f"megatron tp={m.get('tp')} pp={m.get('pp')} dp={m.get('dp')} ep={m.get('ep')}"
+    dst = f"megatron tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}"
+    return {"common": common, "rng_objects": rng_objects, "rng_grid": [layout.pp, layout.tp],
+            "state_report": report_dict(report, source=src, target=dst) if client else None}
 
 
 def _common_meta(common: Mapping[str, Any]) -> dict[str, Any]:
@@ -479,25 +579,88 @@ def writer_ranks(layout: ParallelLayout, *, tp_rank: int, pp_rank: int, ep_rank:
     return [layout.rank_of(tp=tp_rank, dp=d, pp=pp_rank) for d in dps]
 
 
+def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None = None) -> ArchSpec:
+    """The architecture of `source` for the rules: the Megatron reader's (meta 'arch'), else the model spec
+    the built-in engines save in their client state (`migrate.model`), else `model_config` (an HF config or
+    ModelSpec-style fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
+    Raises PlanError naming the option to pass when none says it."""
+    client = ((source.meta.get("train_state") or {}).get("client") or {}).get(CLIENT_STATE_KEY) or {}
+    saved = source.meta.get("arch") or (client.get("model") if isinstance(client, Mapping) else None)
+    given = None if model_config is None else arch_from_config(model_config, where="--model-config")
+    if saved is None:
+        if given is None:
+            raise PlanError(f"source {source.root} ({source.format}) does not record its architecture (Megatron's "
+                            f"rules need num_layers, heads, query groups, GLU, vocab, padding): pass --model-config "
+                            f"FILE (an HF config.json or the job YAML's model section)")
+        return given
+    arch = ArchSpec.from_dict(dict(saved)) if source.format == FORMAT else arch_from_config(
+        saved, where=f"{source.root}: {CLIENT_STATE_KEY}.model")
+    if given is not None and given != arch:
+        raise PlanError(f"--model-config {given} disagrees with the architecture saved in {source.root}: {arch}")
+    return arch
+
+
+# the modules whose (empty) `_extra_state` Megatron-Core saves as one ShardedObject per layer (local spec)
+_EXTRA_STATE_MODULES = ("decoder.layers.self_attention.linear_proj", "decoder.layers.self_attention.linear_qkv",
+                        "decoder.layers.mlp.linear_fc1", "decoder.layers.mlp.linear_fc2")
+_TORCH_ADAMW_GROUP = {"amsgrad": False, "capturable": False, "decoupled_weight_decay": True, "differentiable": False,
+                      "foreach": None, "fused": None, "maximize": False}
+
+
+def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+    """What a Megatron target needs that a source of another format (DeepSpeed, DCP) does not hold in
+    Megatron's terms, built from its canonical train state: `common` (iteration, checkpoint_version and the
+    built-in engines' state with the model spec; RNG not carried across frameworks), the optimizer param
+    groups Megatron-Core builds (decay, then no-decay for norms/biases, each with the source's Adam
+    hyper-parameters and its step), the model dtype and the layers' empty `_extra_state` objects."""
+    ts = source.meta.get("train_state") or {}
+    step = ts.get("step")
+    if step is None:
+        raise PlanError(f"source {source.root} ({source.format}) carries no train-state step: a Megatron "
+                        f"checkpoint needs the iteration and Adam's step")
+    if arch.num_experts:
+        raise PlanError(f"source {source.root} ({source.format}): converting a {arch.architecture} (MoE) model into "
+                        f"Megatron is only supported from Megatron checkpoints")
+    hp = dict((ts.get("optimizer_param_groups") or [{}])[0])
+    group = {**_TORCH_ADAMW_GROUP, **{k: v for k, v in hp.items() if k in _TORCH_ADAMW_GROUP or k in (
+        "lr", "betas", "eps", "weight_decay")}}
+    if "lr" not in group:
+        raise PlanError(f"source {source.root} ({source.format}): no optimizer hyper-parameters (lr) in its train "
+                        f"state")
+    group |= {"betas": tuple(group.get("betas", (0.9, 0.999))), "step": float(step), "default_config": True,
+              "is_decoupled_lr": False, "is_expert_parallel": False, "lr_mult": 1.0, "max_lr": group["lr"],
+              "min_lr": None, "wd_mult": 1.0}
+    client = dict(((ts.get("client") or {}).get(CLIENT_STATE_KEY)) or {})
+    ours = {k: v for k, v in client.items() if k not in ("rng", "roles", "model", "layout")}
+    ours |= {"step": int(step), "model": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}}
+    params = [e for e in source.entries if e.key.kind is Kind.PARAM]
+    return {"common": {"iteration": int(step), "checkpoint_version": 3.0, "migrate": ours},
+            "optimizer_groups": [{"param_groups": [group, {**group, "wd_mult": 0.0}]}],
+            "model_dtype": params[0].dtype if params else "float32", "objects": [],
+            "new_objects": [[f"{mod}._extra_state/shard_{i}_{arch.num_layers}", [None]]
+                            for i in range(arch.num_layers) for mod in _EXTRA_STATE_MODULES]}
+
+
 def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                    vpp: int = 1) -> TargetSpec:
+                    vpp: int = 1, model_config: Mapping[str, Any] | None = None) -> TargetSpec:
     """The source's state as a fully-reshardable torch_dist checkpoint, written by the ranks of the target
     layout: every (tp, pp, ep) shard of each model key and of each optimizer state is split over its
     data-parallel ranks (one box per layer/expert and per TP shard of the embedding/output layer, balanced by
     bytes), and rank r writes its boxes to `__{r}_0.distcp` (DCP chunks of the global tensors); common.pt
     records the layout (migrate.layout).
-    Megatron-Core loads it at any TP/PP/EP/DP; `tp` picks the vocab padding. Raises PlanError when the
-    source lacks the architecture or the optimizer state, CheckpointFormatError when the layout does not
-    fit the model (e.g. query groups not divisible by tp)."""
-    m = source.meta
-    if "arch" not in m:
-        raise PlanError(f"source {source.root} ({source.format}) lacks the architecture (meta 'arch'): convert "
-                        f"from a Megatron checkpoint or give the model spec")
-    arch = _untied(ArchSpec.from_dict(dict(m["arch"])), f"source {source.root}")
+    Megatron-Core loads it at any TP/PP/EP/DP; `tp` picks the vocab padding. Sources of other formats
+    (DeepSpeed, DCP) get Megatron's common state and param groups from their train state
+    (`megatron_meta_from`) and the architecture from the checkpoint or `model_config` (`source_arch`); an
+    fp32 param stands in for a missing fp32 master. Raises PlanError when the source lacks the
+    architecture or the optimizer state, CheckpointFormatError when the layout does not fit the model
+    (e.g. query groups not divisible by tp)."""
+    arch = source_arch(source, model_config)
+    m = source.meta if source.format == FORMAT else {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
     src = source.by_key()
+    fp32_params = all(e.dtype == "float32" for e in source.entries if e.key.kind is Kind.PARAM)
     kinds = [Kind.PARAM] + [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
-                            if any(key.kind is k for key in src)]
+                            if any(key.kind is k for key in src) or k is Kind.MASTER and fp32_params]
     if Kind.MASTER not in kinds:
         raise PlanError(f"source {source.root} holds no fp32 master/optimizer state; a Megatron DistributedOptimizer "
                         f"checkpoint needs it")
@@ -510,7 +673,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     dtype = m.get("model_dtype", "float32")
     work = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
     dcp_tensors = []
-    for rule in RULES[arch.architecture].all():
+    for rule in stored_rules(arch):  # tied embeddings: Megatron loads the last stage's copy from the embedding
         shape = stacked_shape(rule, arch, tp)
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
         keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, chained),
@@ -547,7 +710,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                   for r in sorted(per_rank))
     meta = {**m, "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
             "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
-            "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path}
+            "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
+            **target_training_state(m, layout)}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
     return TargetSpec(index=index, files=files)
 
@@ -614,7 +778,12 @@ class MegatronWriter:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)
                 placed.append((b.key[0], tuple(b.key[1:]), tuple(b.shape), start, stream.tell() - start))
-            objects = meta["objects"] if file.path == meta.get("objects_file", file.path) else []
+            first = file.path == meta.get("objects_file", file.path)
+            objects = meta["objects"] if first else []
+            for fqn, value in meta.get("new_objects", []) if first else []:  # synthesized (other formats' sources)
+                start = stream.tell()
+                torch.save(value, stream)
+                placed.append((fqn, None, None, start, stream.tell() - start))
             for fqn, src_file, offset, length in objects:
                 with open(Path(meta["source_root"]) / src_file, "rb") as f:
                     f.seek(offset)
@@ -624,6 +793,13 @@ class MegatronWriter:
                 start = stream.tell()
                 stream.write(data)
                 placed.append((fqn, None, None, start, length))
+            if file.path == meta.get("objects_file", file.path):  # Megatron-LM's rng_state objects
+                pp, tp = meta.get("rng_grid", (1, 1))
+                for pp_rank, tp_rank, states in meta.get("rng_objects", ()):
+                    start = stream.tell()
+                    torch.save([[to_megatron(st) for st in states]], stream)
+                    placed.append((f"{MEGATRON_RNG_KEY}/shard_{pp_rank}.{tp_rank}_{pp}.{tp}", None, None, start,
+                                   stream.tell() - start))
             return placed
 
         return StreamPayload(write=write)
@@ -662,7 +838,10 @@ class MegatronWriter:
         torch.save(common, buf)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}
-        return {".metadata": pickle.dumps(md), "common.pt": buf.getvalue(), "metadata.json": json.dumps(backend)}
+        files = {".metadata": pickle.dumps(md), "common.pt": buf.getvalue(), "metadata.json": json.dumps(backend)}
+        if meta.get("state_report"):
+            files[STATE_REPORT_FILE] = json.dumps(meta["state_report"], indent=1).encode()
+        return files
 
 
 # ---------------------------------------------------------------- registration
@@ -677,7 +856,18 @@ def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
     def pick(given: int | None, name: str) -> int:
         return given if given is not None else int(index.meta.get(name) or 1) if index.format == FORMAT else 1
     return megatron_target(index, tp=pick(opts.tp, "tp"), pp=pick(opts.pp, "pp"), dp=pick(opts.dp, "dp"),
-                           ep=pick(opts.ep, "ep"))
+                           ep=pick(opts.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT,)),
+                           model_config=opts.model_config)
+
+
+def target_vpp(index: CheckpointIndex, opts: Any, megatron_formats: tuple[str, ...]) -> int:
+    """Virtual stages of the target: as given; else the source's when it is a Megatron checkpoint whose
+    pipeline size is kept; else 1."""
+    if opts.vpp is not None:
+        return opts.vpp
+    if index.format in megatron_formats and opts.pp in (None, int(index.meta.get("pp") or 1)):
+        return int(index.meta.get("vpp") or 1)
+    return 1
 
 
 def _spec() -> Any:

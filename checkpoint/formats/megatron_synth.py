@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from checkpoint.formats.megatron import (bucket_layout, domain_params, index_from_metadata, layer_boxes,
-                                         owner_boxes, writer_ranks)
+from checkpoint.formats.megatron import (bucket_layouts, domain_params, index_from_metadata, layer_boxes,
+                                         owner_boxes, separate_bucket_keys, writer_ranks)
 from checkpoint.index import CheckpointIndex, dtype_size
 from checkpoint.layout import ParallelLayout
 from checkpoint.plan import ConversionPlan, rank_summaries
-from checkpoint.rules.megatron import RULES, ArchSpec, stacked_shape
+from checkpoint.rules.megatron import ArchSpec, stacked_shape, stored_rules
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -66,7 +66,7 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
             relative_path=path, offset=start, length=length)
 
     moe = arch.num_experts > 0
-    for rule in RULES[arch.architecture].all():
+    for rule in stored_rules(arch):
         shape = stacked_shape(rule, arch, layout.tp)
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
         for pp_rank in range(layout.pp):
@@ -94,17 +94,18 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                                                experts=experts)
                         if not params:
                             continue
-                        _, unpadded = bucket_layout(params)
-                        divisor = math.lcm(len(ranks), 128)
-                        local = math.ceil(unpadded / divisor) * divisor // len(ranks)
-                        prefix = f"chained_{chain}." if chained else ""
-                        for state in STATES:
-                            fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}.dtype_{gbuf_dtype}"
-                                   f".bucket_idx_0.{state}")
-                            for r, rank in enumerate(ranks):
-                                lo, hi = r * local, min((r + 1) * local, unpadded)
-                                if lo < hi:
-                                    add(fqn, (unpadded,), "float32", (lo,), (hi - lo,), rank)
+                        separate = separate_bucket_keys(arch, layout.pp) if not experts else frozenset()
+                        for b, (_, unpadded) in enumerate(bucket_layouts(params, separate)):
+                            divisor = math.lcm(len(ranks), 128)
+                            local = math.ceil(unpadded / divisor) * divisor // len(ranks)
+                            prefix = f"chained_{chain}." if chained else ""
+                            for state in STATES:
+                                fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{d}.gbuf_idx_{g}."
+                                       f"dtype_{gbuf_dtype}.bucket_idx_{b}.{state}")
+                                for r, rank in enumerate(ranks):
+                                    lo, hi = r * local, min((r + 1) * local, unpadded)
+                                    if lo < hi:
+                                        add(fqn, (unpadded,), "float32", (lo,), (hi - lo,), rank)
     md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
     # hyper-parameters are not in the layout; planning does not read them (typical Llama pre-training values)
     group = {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": iteration,

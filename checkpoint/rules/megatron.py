@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from checkpoint.errors import CheckpointFormatError
 
@@ -55,6 +56,50 @@ class ArchSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "ArchSpec":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+_HF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "gpt2": "gpt"}
+
+
+def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ArchSpec:
+    """The ArchSpec of a model config: an HF `config.json` (llama/mistral/mixtral/gpt2-style keys, told
+    apart by `model_type`) or ModelSpec-style fields (the built-in engines' saved spec, the job YAML's
+    `model` section: `query_groups`/`num_query_groups` default to the heads, the vocab padding to the
+    job schema's 128). Raises CheckpointFormatError naming `where` and the missing or unknown keys."""
+    c = dict(config)
+    try:
+        if "model_type" in c:
+            kind = _HF_ARCH.get(str(c["model_type"]))
+            if kind is None:
+                raise CheckpointFormatError(f"{where}: HF model_type {c['model_type']!r} has no Megatron rules; "
+                                            f"known: {sorted(_HF_ARCH)}")
+            if kind == "gpt":
+                hidden = int(c["n_embd"])
+                return ArchSpec(architecture="gpt", num_layers=int(c["n_layer"]), hidden_size=hidden,
+                                ffn_hidden_size=int(c.get("n_inner") or 4 * hidden),
+                                num_attention_heads=int(c["n_head"]), num_query_groups=int(c["n_head"]),
+                                vocab_size=int(c["vocab_size"]),
+                                tied_embeddings=bool(c.get("tie_word_embeddings", True)))
+            heads = int(c["num_attention_heads"])
+            return ArchSpec(architecture=kind, num_layers=int(c["num_hidden_layers"]),
+                            hidden_size=int(c["hidden_size"]),
+                            ffn_hidden_size=int(c["intermediate_size"]), num_attention_heads=heads,
+                            num_query_groups=int(c.get("num_key_value_heads") or heads),
+                            vocab_size=int(c["vocab_size"]),
+                            num_experts=int(c.get("num_local_experts", 0)) if kind == "mixtral" else 0,
+                            tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+        heads = int(c["num_attention_heads"])
+        groups = c.get("num_query_groups", c.get("query_groups")) or heads
+        return ArchSpec(architecture=str(c["architecture"]), num_layers=int(c["num_layers"]),
+                        hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["ffn_hidden_size"]),
+                        num_attention_heads=heads, num_query_groups=int(groups), vocab_size=int(c["vocab_size"]),
+                        num_experts=int(c.get("num_experts") or 0),
+                        make_vocab_size_divisible_by=int(c.get("make_vocab_size_divisible_by", 128)),
+                        tied_embeddings=bool(c.get("tied_embeddings", False)))
+    except KeyError as err:
+        raise CheckpointFormatError(f"{where}: missing key {err.args[0]!r} (have: {sorted(c)})") from None
+    except (TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"{where}: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,6 +187,24 @@ RULES: dict[str, ArchRules] = {
 }
 
 
+OUTPUT_KEY = "output_layer.weight"
+
+
+def stored_rules(arch: ArchSpec) -> tuple[TensorRule, ...]:
+    """The rules of the keys a checkpoint of `arch` stores, in named_parameters order. Tied input/output
+    embeddings are one tensor, the embedding: Megatron-Core gives the output layer no weight where it
+    holds the embedding (PP 1) and stores the last stage's copy (PP > 1) under the embedding's key."""
+    rules = RULES[arch.architecture].all()
+    return tuple(r for r in rules if not (arch.tied_embeddings and r.key == OUTPUT_KEY))
+
+
+def holds_output_copy(arch: ArchSpec, pp: int, vpp: int) -> bool:
+    """Whether the last (virtual) stage holds its own output-layer weight: always when untied; when tied
+    only if it is not also the first stage (Megatron-Core then keeps a copy, its grads all-reduced with
+    the embedding's, so its optimizer state equals the embedding's)."""
+    return not arch.tied_embeddings or pp * vpp > 1
+
+
 # ---------------------------------------------------------------- shapes and segments (pure)
 
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
@@ -219,8 +282,7 @@ def canonical_name(rule: TensorRule, seg: Segment, layer: int | None = None, exp
 def canonical_tensors(arch: ArchSpec) -> list[tuple[str, tuple[int, ...]]]:
     """Every canonical tensor name and shape of the model, in Megatron's rule order."""
     out = []
-    rules = RULES[arch.architecture]
-    for rule in rules.all():
+    for rule in stored_rules(arch):
         layers = range(arch.num_layers) if rule.scope != "model" else [None]
         experts = range(arch.num_experts) if rule.scope == "expert" else [None]
         seen = set()

@@ -1,12 +1,16 @@
-"""``migrate convert SRC DST --to FORMAT [--dp N] [--zero-stage S] [...]``: rewrite a checkpoint for a layout."""
+"""``migrate convert SRC DST --to FORMAT [--dp N] [--zero-stage S] [--model-config FILE] [...]``: rewrite a
+checkpoint for a layout (or another framework)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import click
+import yaml
 
 from checkpoint.api import WRITABLE_FORMATS, convert, read_index
 from checkpoint.errors import CheckpointError
@@ -15,6 +19,20 @@ from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The model config in `path`: an HF config.json, a YAML/JSON model section, or a job YAML (its `model`)."""
+    try:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"{path}: unreadable ({exc})", param_hint="--model-config") from exc
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        data = data["model"]
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: holds {type(data).__name__}, not a mapping of model fields",
+                                 param_hint="--model-config")
+    return data
 
 
 @click.command(name="convert", help="Convert the checkpoint SRC into DST (absent or empty) for a target layout.")
@@ -26,6 +44,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 @click.option("--tp", type=int, default=None, help="target tensor-parallel size (default: the source's)")
 @click.option("--pp", type=int, default=None, help="target pipeline-parallel size (default: the source's)")
 @click.option("--ep", type=int, default=None, help="target expert-parallel size (default: the source's)")
+@click.option("--vpp", type=int, default=None,
+              help="target virtual pipeline stages per rank (Megatron; default: the source's when pp is kept, else 1)")
 @click.option("--dry-run", is_flag=True, help="print the plan (files, bytes per target rank) without reading data")
 @click.option("--verify", is_flag=True, help="re-read the output and compare every tensor with the source")
 @click.option("--workers", type=int, default=1, show_default=True, help="local processes writing target files")
@@ -33,11 +53,15 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
               help="write target files as Ray tasks on this cluster ('embedded', 'auto', HOST:PORT); "
                    "default: --workers local processes")
 @click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the source's)")
+@click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="the architecture for --to megatron when the source does not record it: an HF config.json "
+                   "(llama/mixtral/gpt2 keys) or a job YAML (its model section)")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
-            ep: int | None,
+            ep: int | None, vpp: int | None,
             dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
-            trust_checkpoint: bool) -> None:
+            model_config: Path | None, trust_checkpoint: bool) -> None:
+    config = None if model_config is None else read_model_config(model_config)
     with ExitStack() as stack:
         map_fn = local_map(workers)
         if ray_address is not None and not dry_run:
@@ -47,8 +71,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
             map_fn = ray_map(max_in_flight=max(workers, 1))
         try:
-            outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, arch=arch,
-                              dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint)
+            outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
+                              model_config=config, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)

@@ -75,9 +75,15 @@ def run(ctx: StageContext) -> StageOutcome:
 
             stack.enter_context(connect(ray_address))
             map_fn = ray_map(max_in_flight=options.workers)
-        to_format = options.to_format or detect_format(src)
+        from_format = detect_format(src)
+        to_format = options.to_format or from_format
+        # Megatron's layout rules need the architecture, which a DeepSpeed/DCP checkpoint written outside
+        # migrate does not record: the job's model section states it (one that records another is refused).
+        model_config = (job.model.model_dump() if to_format.startswith("megatron") and not from_format.startswith("megatron")
+                        else None)
         outcome = convert(src, dest, to=to_format, dp=dp, zero_stage=stage, tp=target_layout.tp,
-                          pp=target_layout.pp, ep=target_layout.ep, map_fn=map_fn,
+                          pp=target_layout.pp, ep=target_layout.ep, vpp=target_layout.vpp, map_fn=map_fn,
+                          model_config=model_config,
                           trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
                           expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
                           expect_pp=source_layout.pp, expect_ep=source_layout.ep)

@@ -10,6 +10,7 @@ fused kernel is compiled; the LR follows `ScheduledLR`, saved by DeepSpeed with 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -142,6 +143,7 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
                 tag = f"global_step{step + 1}"
                 state = gather_state(step=step + 1, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=dp,
                                      role=role, consumed_tokens=sampler.consumed_samples * model_spec.seq_length)
+                state["model"] = dataclasses.asdict(model_spec)  # the architecture, for converters (Megatron)
                 engine.save_checkpoint(spec.save_dir, tag=tag, client_state={CLIENT_STATE_KEY: state})
                 checkpoints.append(os.path.join(spec.save_dir, tag))
             if message and spec.stop_on_nonfinite:

@@ -1,13 +1,21 @@
-"""The built-in decoder trained with PyTorch FSDP2 (`fully_shard`) and checkpointed with DCP,
-torchtitan-style (`<save_dir>/step-<N>/`), on a worker group.
+"""The built-in decoder trained with PyTorch FSDP2 (`fully_shard`) and, at tp > 1, DTensor tensor
+parallelism, checkpointed with DCP, torchtitan-style (`<save_dir>/step-<N>/`), on a worker group.
 
-Per rank: build the decoder -> `fully_shard` each layer and the root (bf16 params with fp32
-reductions when precision is bf16) -> AdamW -> optional `dcp.load` -> steps -> `dcp.save` of
-{"model", "optimizer", "lr_scheduler", "migrate"} where "migrate" holds the sampler state and
-the step. Every rank is a DP (sharding) rank.
+Per rank: build the decoder -> 2-D ("dp", "tp") device mesh -> at tp > 1 `parallelize_module`
+with `tensor_parallel.tp_plan` on the tp axis (sequence parallel norms when
+`spec.sequence_parallel`) -> `fully_shard` each layer and the root on the dp axis (bf16 params
+with fp32 reductions when precision is bf16) -> AdamW -> optional `dcp.load` -> steps ->
+`dcp.save` of {"model", "optimizer", "lr_scheduler", "migrate"} where "migrate" holds the
+sampler state and the step (the layout is in the chunks' geometry). DCP's own load reshards,
+so a checkpoint written at one (dp, tp) loads at any other. The ranks of one TP group read the
+same micro-batches (rank = dp_rank * tp + tp_rank).
+
+On Gloo (torch 2.13, CPU) all of it runs: tp 1/2, dp x tp up to 2 x 2, with and without
+sequence parallel; dense models only at tp > 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -18,6 +26,7 @@ import torch.distributed as dist
 from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
 from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import RunSpec
+from migrate.workload.tensor_parallel import MeshShape, build_mesh, check_tensor_parallel, parallelize
 from migrate.workload.torch_model import build_decoder
 from migrate.workload.train_state import StepTrace
 
@@ -28,11 +37,37 @@ def step_dir(save_dir: str, step: int) -> str:
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: ScheduledLR,
-           sampler: SamplerState, step: int) -> dict[str, Any]:
+           sampler: SamplerState, step: int, mesh: MeshShape | None) -> dict[str, Any]:
+    """The DCP state dict; `mesh` None makes a load template, which leaves out what older and
+    converted checkpoints may not hold (the model spec). The (dp, tp) layout is not stored: it is
+    in the chunks' geometry (`checkpoint.formats.dcp` reads it there; values would go stale when
+    a converter carries them over), and DCP's load reshards to any other layout."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    ours: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step}
+    if mesh is not None:
+        spec = getattr(model, "spec", None)  # the built-in Decoder's ModelSpec: the architecture, for converters
+        if spec is not None:
+            ours["model"] = dataclasses.asdict(spec)
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-            "lr_scheduler": scheduler.state_dict(), "migrate": {"sampler": sampler.state_dict(), "step": step}}
+            "lr_scheduler": scheduler.state_dict(), "migrate": ours}
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (DTensor grads on different meshes allowed: the dp-only
+    norms and the dp x tp matrices), then clip in place with torch's rule
+    (coef = max_norm / (norm + 1e-6), at most 1); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares = squares + norm.to("cpu") ** 2
+    total = squares.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(float(coef))
+    return total
 
 
 def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
@@ -41,19 +76,25 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if spec.engine != "fsdp" or spec.tp != 1 or spec.pp != 1 or spec.ep != 1:
-        raise ValueError(f"train_fsdp runs engine 'fsdp' with tp=pp=ep=1, got engine={spec.engine!r} "
-                         f"tp({spec.tp}) pp({spec.pp}) ep({spec.ep})")
+    if spec.engine != "fsdp" or spec.pp != 1 or spec.ep != 1:
+        raise ValueError(f"train_fsdp runs engine 'fsdp' with pp=ep=1 (dp x tp), got engine={spec.engine!r} "
+                         f"pp({spec.pp}) ep({spec.ep})")
+    mesh_shape = MeshShape.of(ctx.world_size, spec.tp)
+    check_tensor_parallel(spec.model, spec.tp, spec.sequence_parallel)
     torch.set_num_threads(1)
     train, model_spec = spec.train, spec.model
-    dp, rank = ctx.world_size, ctx.rank
+    dp, rank = mesh_shape.dp, ctx.rank
+    dp_rank, _ = mesh_shape.coordinates(rank)
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
+    mesh = build_mesh("cpu" if ctx.device_type == "cpu" else ctx.device_type, mesh_shape)
     model = build_decoder(model_spec, train.seed).to(device)
+    if spec.tp > 1:
+        parallelize(model, mesh["tp"], model_spec, spec.sequence_parallel)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if train.precision == "bf16" else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     opt = train.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                                   weight_decay=opt.weight_decay, foreach=False)
@@ -62,7 +103,7 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     start_step = 0
     if spec.load_dir:
         # get_optimizer_state_dict initialises the (empty) Adam state, so DCP has targets to load into.
-        state = _state(model, optimizer, scheduler, sampler, 0)
+        state = _state(model, optimizer, scheduler, sampler, 0, None)
         dcp.load(state, checkpoint_id=spec.load_dir)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -82,19 +123,22 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
             lr = scheduler.get_last_lr()[0]
             global_indices = global_batch_indices(sampler)
             trace.record(global_indices)
-            micro = rank_micro_batches(global_indices, rank, dp, train.micro_batch_size)
+            micro = rank_micro_batches(global_indices, dp_rank, dp, train.micro_batch_size)
             total = torch.zeros((), dtype=torch.float64)
             for indices in micro:
                 tokens, labels = dataset.batch(indices)
                 loss = model(tokens.to(device), labels.to(device))
                 (loss / len(micro)).backward()
                 total += loss.detach().to("cpu", torch.float64)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if spec.tp == 1:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            else:  # norms and TP-split params are DTensors on different meshes
+                grad_norm = clip_grad_norm(list(model.parameters()), opt.clip_grad)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=mesh["dp"].get_group())  # the TP ranks of a replica share one loss
             sampler = sampler.advance()
             record = StepMetrics(
                 step=step + 1, loss=float(total) / (dp * len(micro)), grad_norm=float(grad_norm), lr=lr,
@@ -104,7 +148,7 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
             message = log.write(record)
             if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
                 path = step_dir(spec.save_dir, step + 1)
-                dcp.save(_state(model, optimizer, scheduler, sampler, step + 1), checkpoint_id=path)
+                dcp.save(_state(model, optimizer, scheduler, sampler, step + 1, mesh_shape), checkpoint_id=path)
                 checkpoints.append(path)
             if message and spec.stop_on_nonfinite:
                 stopped = message
@@ -112,4 +156,5 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     finally:
         log.close()
     return RankResult(rank=rank, engine="fsdp", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra())
+                      checkpoints=tuple(checkpoints), stopped=stopped,
+                      extra=trace.extra(dp=dp, tp=spec.tp, sequence_parallel=spec.sequence_parallel))
