@@ -54,4 +54,5 @@ def ray_session():
 
 
 # Checkpoints written by the real engines, made once per session and shared.
-from workload_fixtures import deepspeed_checkpoint, fsdp_checkpoint, megatron_checkpoint, workload_extensions_dir  # noqa: E402,F401
+from workload_fixtures import (deepspeed_checkpoint, fsdp_checkpoint, megatron_checkpoint,  # noqa: E402,F401
+                               megatron_legacy_checkpoint, workload_extensions_dir)

@@ -7,12 +7,15 @@ DeepSpeed save dir holding `latest` and `global_step<steps>/`).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from migrate.workload import fixtures
 from migrate.workload.fixtures import TrainedCheckpoint
 
-__all__ = ["deepspeed_checkpoint", "megatron_checkpoint", "fsdp_checkpoint", "workload_extensions_dir"]
+__all__ = ["deepspeed_checkpoint", "megatron_checkpoint", "megatron_legacy_checkpoint", "fsdp_checkpoint",
+           "workload_extensions_dir"]
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +73,35 @@ def fsdp_checkpoint(tmp_path_factory):
         if key not in cache:
             directory = tmp_path_factory.mktemp(f"fsdp_ws{world_size}")
             cache[key] = fixtures.make_fsdp_checkpoint(directory, world_size=world_size, steps=steps)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def megatron_legacy_checkpoint(tmp_path_factory):
+    """`get(tp, pp, dp, distributed_optimizer=True, global_batch_size=8, ep=1, moe=False)` -> TrainedCheckpoint
+    of a Megatron-LM legacy per-rank checkpoint (`checkpoint_format="torch"`): one launch trains 4 steps saving at
+    step 2 (`.path` is `iter_0000002`) and at 4, so `.losses[2:]` are the uninterrupted steps 3-4 a resume must repeat.
+    Import it by name in the test module (tests/conftest.py imports the older fixtures only)."""
+    from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
+    from migrate.workload.megatron_engine import iteration_dir
+    from migrate.workload.model_spec import RunSpec, TrainSpec
+
+    cache: dict[tuple, TrainedCheckpoint] = {}
+
+    def get(tp: int, pp: int, dp: int, distributed_optimizer: bool = True, global_batch_size: int = 8,
+            ep: int = 1, moe: bool = False) -> TrainedCheckpoint:
+        key = (tp, pp, dp, distributed_optimizer, global_batch_size, ep, moe)
+        if key not in cache:
+            kind = ("dist" if distributed_optimizer else "plain") + ("_moe" if moe else "")
+            directory = tmp_path_factory.mktemp(f"mlegacy_tp{tp}_pp{pp}_dp{dp}_ep{ep}_{kind}")
+            spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=4, tp=tp, pp=pp, ep=ep,
+                           save_every=2, distributed_optimizer=distributed_optimizer, checkpoint_format="torch",
+                           save_dir=str(directory), train=TrainSpec(global_batch_size=global_batch_size))
+            results = launch(spec, tp * pp * dp)
+            cache[key] = TrainedCheckpoint(path=Path(iteration_dir(str(directory), 2)), spec=spec,
+                                           world_size=tp * pp * dp, results=tuple(results))
         return cache[key]
 
     return get

@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-from checkpoint.formats import dcp, deepspeed, hf, megatron, universal
+from checkpoint.formats import dcp, deepspeed, hf, megatron, megatron_legacy, universal
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 
 FORMATS: tuple[CheckpointFormat, ...] = (
     universal.SPEC,  # before deepspeed: a universal tag directory also holds *model_states.pt
     deepspeed.SPEC,
+    megatron_legacy.SPEC,  # mp_rank_*/model_optim_rng.pt directories
     megatron.SPEC,  # before dcp: a torch_dist checkpoint is also a DCP directory
     dcp.SPEC,
     hf.SPEC,

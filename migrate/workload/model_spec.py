@@ -178,8 +178,12 @@ class RunSpec:
     save_every: int = 0
     metrics_path: str | None = None
     stop_on_nonfinite: bool = True
+    checkpoint_format: Literal["torch_dist", "torch"] = "torch_dist"  # megatron: dist or legacy per-rank files
 
     def __post_init__(self) -> None:
+        if self.checkpoint_format not in ("torch_dist", "torch"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}: expected 'torch_dist' (Megatron-Core dist "
+                             f"checkpoint) or 'torch' (Megatron-LM's legacy per-rank files)")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
         for name in ("tp", "pp", "ep", "vpp"):
