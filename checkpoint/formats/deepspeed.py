@@ -296,13 +296,24 @@ def _optimizer_paths(stage: int, group: int) -> dict[Kind, KeyPath]:
             Kind.STEP: (OSD, "base_optimizer_state", "state", group, "step")}
 
 
-def _stored(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> torch.Tensor | None:
+_ABSENT = object()
+
+
+def _at(optim: Sequence[Any], rank: int, path: KeyPath) -> Any:
+    """The value at `path` in rank `rank`'s optimizer state, or _ABSENT."""
     cur: Any = optim[rank]
     for k in path:
         try:
             cur = cur[k]
         except (KeyError, IndexError):
-            return None
+            return _ABSENT
+    return cur
+
+
+def _stored(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> torch.Tensor | None:
+    cur = _at(optim, rank, path)
+    if cur is _ABSENT:
+        return None
     if not isinstance(cur, torch.Tensor):
         raise CheckpointFormatError(f"{where}: {list(path)} is {type(cur).__name__}, not a tensor")
     return cur
@@ -312,12 +323,9 @@ def _stored_step(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> 
     """(shape, dtype) of Adam's stored `step`, or None when absent. torch's Adam keeps a 0-d float32
     tensor; DeepSpeed's own FusedAdam and DeepSpeedCPUAdam (built from the config's "optimizer") keep a
     Python int, indexed as a 0-d int64 (the executor reads it as one, DeepSpeed writers store an int)."""
-    cur: Any = optim[rank]
-    for k in path:
-        try:
-            cur = cur[k]
-        except (KeyError, IndexError):
-            return None
+    cur = _at(optim, rank, path)
+    if cur is _ABSENT:
+        return None
     if isinstance(cur, int) and not isinstance(cur, bool):
         return (), "int64"
     if not isinstance(cur, torch.Tensor):

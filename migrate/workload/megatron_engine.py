@@ -282,12 +282,18 @@ def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerSta
     dist.barrier()
     dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False, model=model, rng=rng,
                                         data=data, consumed_tokens=tokens), path)
+    write_tracker(save_dir, step)
+    return path
+
+
+def write_tracker(save_dir: str, step: int) -> None:
+    """After every rank wrote iteration `step`: rank 0 points `latest_checkpointed_iteration.txt` at it
+    (collective; Megatron-LM's commit point for a checkpoint)."""
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, TRACKER_FILE), "w", encoding="utf-8") as f:
             f.write(str(step))
     dist.barrier()
-    return path
 
 
 def _prime_adam_state(optimizer: Any) -> None:
@@ -484,6 +490,11 @@ def _train(ctx: Any, spec: RunSpec) -> RankResult:
         seed_host_rng(train.seed)
         model_parallel_cuda_manual_seed(train.seed)
         config = transformer_config(model_spec, spec, ctx.world_size)
+        if ctx.backend == "gloo":
+            # Gloo matches point-to-point messages between two ranks by tag only: in a batch_isend_irecv of
+            # the interleaved (virtual pipeline) schedule, a forward activation and a backward gradient of
+            # the same shape can be swapped, which corrupts later micro-batches silently. One op at a time.
+            config.batch_p2p_comm = False
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=spec.distributed_optimizer)
         chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)

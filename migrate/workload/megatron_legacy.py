@@ -33,7 +33,7 @@ from migrate.workload.model_spec import ModelSpec
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as megatron_engine.TRACKER_FILE (written by its write_tracker)
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -103,7 +103,7 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
     Same signature as `megatron_engine.save_checkpoint`; returns the iteration directory."""
     from megatron.core import parallel_state as ps
 
-    from migrate.workload.megatron_engine import _gathered_rng, iteration_dir
+    from migrate.workload.megatron_engine import _gathered_rng, iteration_dir, write_tracker
 
     if model is None:
         raise ValueError("save_legacy_checkpoint needs the model spec (converters read the architecture from it)")
@@ -149,11 +149,7 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
         state["num_floating_point_operations_so_far"] = 0
         state["migrate"] = ours
         _save_atomic(state, os.path.join(rank_dir, MODEL_FILE))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(save_dir, TRACKER_FILE), "w", encoding="utf-8") as f:
-            f.write(str(step))
-    dist.barrier()
+    write_tracker(save_dir, step)
     return path
 
 
