@@ -177,6 +177,8 @@ def estimate_memory(model: ModelShape, train: TrainingShape, cand: Candidate, de
             transient += 3 * logits * 4  # fp32 logits, softmax and its gradient in the loss
         if lay.zero_stage >= 3:
             transient += 2 * (dense + experts) * train.bytes_per_element  # gathered parameters of the live modules
+        if lay.zero_stage >= 2:
+            transient += ipg_bucket_bytes(dense + experts, train, device)
         estimate = MemoryEstimate(stage=stage, weights=weights, gradients=gradients, optimizer=optimizer,
                                   activations=kept, transient=transient, reserved=device.memory_reserved_gb * 1e9,
                                   fragmentation=device.memory_fragmentation, in_flight_microbatches=count)
@@ -184,6 +186,19 @@ def estimate_memory(model: ModelShape, train: TrainingShape, cand: Candidate, de
             best = estimate
     assert best is not None
     return best
+
+
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default zero_optimization.reduce_bucket_size
+
+
+def ipg_bucket_bytes(params: float, train: TrainingShape, device: DeviceProfile) -> float:
+    """DeepSpeed ZeRO-2/3's contiguous gradient bucket (`ipg_buffer` / `__ipg_bucket_flat_buffer`): one
+    `torch.empty` of reduce_bucket_size elements. An accelerator's allocator counts all of it; on the CPU
+    only the pages the gradients are copied into become resident (at most the rank's parameters)."""
+    elements = DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    if device.device_type == "cpu":
+        elements = min(elements, params)
+    return elements * train.bytes_per_element
 
 
 def fits(estimate: MemoryEstimate, device: DeviceProfile) -> str | None:

@@ -67,3 +67,16 @@ def test_tied_converts_and_megatron_resumes(tied_checkpoint, tmp_path, tp, pp, d
     assert len(losses) == 2, losses
     assert abs(losses[0] - want[0]) / abs(want[0]) <= 1e-6, (losses, want)
     assert abs(losses[1] - want[1]) / abs(want[1]) <= 1e-5, (losses, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["deepspeed", "dcp", "hf"])
+def test_untied_only_writers_refuse_a_tied_source_and_leave_nothing(tied_checkpoint, tmp_path, fmt):
+    """DeepSpeed, DCP and HF targets are written for untied models: a tied source is refused at plan time
+    with the reason (not written with the output weight missing), and the destination stays absent."""
+    from checkpoint.errors import PlanError
+
+    path, _, _ = tied_checkpoint
+    with pytest.raises(PlanError, match=rf"ties its input and output embeddings; the {fmt} writer writes untied"):
+        convert(path, tmp_path / fmt, to=fmt)
+    assert not (tmp_path / fmt).exists()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoint.errors import PlanError
 from checkpoint.execute import Writer
 from checkpoint.index import CheckpointIndex
 from checkpoint.plan import TargetSpec
@@ -66,3 +67,13 @@ class CheckpointFormat:
     @property
     def writable(self) -> bool:
         return self.target is not None and self.writer is not None
+
+
+def refuse_tied_embeddings(source: CheckpointIndex, target: str) -> None:
+    """Raise PlanError when `source` ties its input and output embeddings (one canonical tensor) and the
+    `target` writer lays out untied models only (it would leave the output weight missing)."""
+    arch = source.meta.get("arch")
+    if isinstance(arch, Mapping) and arch.get("tied_embeddings"):
+        raise PlanError(f"source {source.root} ({source.format}) ties its input and output embeddings; the {target} "
+                        f"writer writes untied models only (the output weight would be missing). Tied models "
+                        f"convert between megatron and megatron-legacy layouts")

@@ -31,7 +31,7 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats.adam_step import derived_step, step_tensor
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import roles
@@ -552,6 +552,7 @@ def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
     Params keep the source's order and its param groups; the model dtype is the source params'
     (fp32 masters become the fp32 module). The client state (e.g. the job's sampler) is carried.
     """
+    refuse_tied_embeddings(source, "deepspeed")
     ts = source.meta.get("train_state")
     if ts is None:
         raise PlanError(f"source {source.root} ({source.format}) carries no train_state (step, scheduler, "

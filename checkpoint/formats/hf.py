@@ -25,7 +25,7 @@ import torch
 
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import SAFETENSORS, StreamPayload
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
@@ -157,6 +157,7 @@ def _st_dtype(code: str, file: Path, name: str) -> str:
 def hf_target(source: CheckpointIndex, *, arch: str | None) -> TargetSpec:
     """One `model.safetensors` with every parameter of `source` under its HF name, in the model dtype
     (params from fp32 masters when the source keeps only those, e.g. ZeRO-3)."""
+    refuse_tied_embeddings(source, "hf")
     arch = arch or source.meta.get("architecture") or "llama"
     if arch not in NAME_MAPS:
         raise PlanError(f"no HF name map for architecture {arch!r}; known: {sorted(NAME_MAPS)}")
