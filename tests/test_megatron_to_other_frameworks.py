@@ -84,3 +84,25 @@ def test_frameworks_resume_from_converted_megatron(megatron_checkpoint, workload
     # the second step applies Adam with the converted moments and step (bias correction): a wrong step moves it
     # by far more than the frameworks' differences (Megatron exempts norms from weight decay)
     assert abs(losses[1] - want[1]) / abs(want[1]) <= 1e-5, (losses, want)
+
+
+@pytest.mark.slow
+def test_megatron_weights_to_hf_load_into_the_hf_named_model(megatron_checkpoint, tmp_path):
+    """Megatron TP2 weights -> HF safetensors: every weight equals the source (merged over TP, QKV and GLU
+    split back per HF's names), under LlamaForCausalLM's names, and the built-in decoder (HF names without
+    the `model.` prefix) loads the file with nothing missing or unexpected."""
+    from safetensors.torch import load_file
+
+    from migrate.workload.torch_model import build_decoder
+
+    ck = megatron_checkpoint(2, 1, 1, global_batch_size=GBS)
+    outcome = convert(ck.path, tmp_path / "hf", to="hf")
+    assert compare_indexes(outcome.plan.source, read_index(tmp_path / "hf")) == []
+    tensors = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    model = build_decoder(ck.spec.model, seed=0)
+    vocab = ck.spec.model.vocab_size
+    assert all(k.startswith("model.") or k == "lm_head.weight" for k in tensors)  # HF LlamaForCausalLM's names
+    state = {k.removeprefix("model."): v[:vocab] if k.endswith(("embed_tokens.weight", "lm_head.weight")) else v
+             for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if not k.endswith("inv_freq")], (missing, unexpected)
