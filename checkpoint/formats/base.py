@@ -76,4 +76,4 @@ def refuse_tied_embeddings(source: CheckpointIndex, target: str) -> None:
     if isinstance(arch, Mapping) and arch.get("tied_embeddings"):
         raise PlanError(f"source {source.root} ({source.format}) ties its input and output embeddings; the {target} "
                         f"writer writes untied models only (the output weight would be missing). Tied models "
-                        f"convert between megatron and megatron-legacy layouts")
+                        f"convert between megatron (torch_dist) layouts")
