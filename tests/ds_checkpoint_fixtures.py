@@ -43,10 +43,12 @@ class DSCheckpointSpec:
     steps: int = 3
     seed: int = 7
     tag: str = "global_step3"
+    model: str = "tiny"  # tiny (TinyNet) | tied_frozen (TiedFrozenNet)
 
     @property
     def name(self) -> str:
-        return f"z{self.stage}_dp{self.world_size}_{self.dtype}_{self.optimizer}"
+        suffix = "" if self.model == "tiny" else f"_{self.model}"
+        return f"z{self.stage}_dp{self.world_size}_{self.dtype}_{self.optimizer}{suffix}"
 
 
 class TinyNet(torch.nn.Module):
@@ -64,6 +66,29 @@ class TinyNet(torch.nn.Module):
         h = torch.nn.functional.gelu(self.fc1(h))
         logits = self.fc2(self.norm(h)).float()
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 17), tokens[:, 1:].reshape(-1))
+
+
+class TiedFrozenNet(torch.nn.Module):
+    """TinyNet's shapes with the output layer tied to the embedding (DeepSpeed's `shared_params`) and
+    fc1 frozen (`requires_grad=False`: no optimizer state; ZeRO-2/3's `frozen_param_shapes`/`_fragments`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(17, HIDDEN)
+        self.fc1 = torch.nn.Linear(HIDDEN, 2 * HIDDEN + 1)
+        self.norm = torch.nn.LayerNorm(2 * HIDDEN + 1)
+        self.fc2 = torch.nn.Linear(2 * HIDDEN + 1, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, 17, bias=False)
+        self.head.weight = self.embed.weight
+        self.fc1.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(self.embed(tokens)))
+        logits = self.head(self.fc2(self.norm(h))).float()
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 17), tokens[:, 1:].reshape(-1))
+
+
+MODELS = {"tiny": TinyNet, "tied_frozen": TiedFrozenNet}
 
 
 def ds_config(stage: int, dtype: str, universal: bool = False, optimizer: str = "adam") -> dict[str, Any]:
@@ -100,18 +125,19 @@ def _probe_batch() -> torch.Tensor:
     return torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(PROBE_SEED))
 
 
-def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool = False):
+def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool = False, model: str = "tiny"):
     import deepspeed
 
     torch.manual_seed(seed)
-    model = TinyNet()
+    module = MODELS[model]()
+    trainable = [p for p in module.parameters() if p.requires_grad]
     config = ds_config(stage, dtype, universal, optimizer)
     if optimizer.startswith("ds_"):
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
         return engine
     opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    opt = opt_cls(model.parameters(), lr=0.01, weight_decay=0.01 if optimizer == "adamw" else 0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    opt = opt_cls(trainable, lr=0.01, weight_decay=0.01 if optimizer == "adamw" else 0.0)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
     return engine
 
 
@@ -132,7 +158,7 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
     try:
         _init_process(rank, world_size, init_file)
         spec = DSCheckpointSpec(**spec_d)
-        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed)
+        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed, model=spec.model)
         losses = []
         for step in range(spec.steps):
             loss = engine(_batch(rank, step))
@@ -151,6 +177,8 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
 
 
 def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Per trained param its full fp32 master and Adam moments; per frozen param its full value ("frozen")."""
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
@@ -158,6 +186,10 @@ def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
         link()
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = {"frozen": p.data.detach().clone().float().cpu()}
+            continue
         out[name] = {
             "fp32": safe_get_full_fp32_param(p).detach().clone().cpu(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone().cpu(),
@@ -167,10 +199,11 @@ def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: str, stage: int, dtype: str,
-               optimizer: str, result_dir: str, universal: bool = False) -> None:
+               optimizer: str, result_dir: str, universal: bool = False, model: str = "tiny") -> None:
     try:
         _init_process(rank, world_size, init_file)
-        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal)  # the load must overwrite it all
+        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal, model=model)  # the load must
+        # overwrite it all, frozen params included
         _, client = engine.load_checkpoint(ckpt_dir, tag=None if universal else tag)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {ckpt_dir} tag {tag}")
@@ -262,14 +295,14 @@ class LoadedState:
 
 
 def load_and_probe(ckpt_dir: Path, *, world_size: int, stage: int, dtype: str, optimizer: str = "adam",
-                   tag: str = "global_step3", work: Path, universal: bool = False) -> LoadedState:
+                   tag: str = "global_step3", work: Path, universal: bool = False, model: str = "tiny") -> LoadedState:
     """Load `ckpt_dir` with DeepSpeed at (world_size, stage), gather its state, train one step.
 
     `universal`: load with `"checkpoint": {"load_universal": true}` (the tag from `latest_universal`)."""
     result_dir = Path(work)
     result_dir.mkdir(parents=True, exist_ok=True)
     notes = _launch(_load_rank, world_size,
-                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir), universal), result_dir)
+                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir), universal, model), result_dir)
     blob = torch.load(Path(result_dir, "rank0.pt"), weights_only=True)
     return LoadedState(params=blob["state"], meta=blob["meta"], probe_loss=blob["probe_loss"],
                        probe_after_step=blob["probe_after_step"], launch_notes=tuple(notes))

@@ -77,3 +77,27 @@ def refuse_tied_embeddings(source: CheckpointIndex, target: str) -> None:
         raise PlanError(f"source {source.root} ({source.format}) ties its input and output embeddings; the {target} "
                         f"writer writes untied models only (the output weight would be missing). Tied models "
                         f"convert between megatron (torch_dist) layouts")
+    refuse_shared_params(source, target)
+
+
+def refuse_shared_params(source: CheckpointIndex, target: str) -> None:
+    """Raise PlanError when `source` stores one tensor under several module names (DeepSpeed's
+    `shared_params`) and the `target` writer lays out one tensor per name."""
+    shared = source.meta.get("shared_params")
+    if shared:
+        pairs = ", ".join(f"{a} is {o}" for a, o in list(shared.items())[:3])
+        raise PlanError(f"source {source.root} ({source.format}) ties parameters ({pairs}); the {target} writer "
+                        f"writes one tensor per name only (the tied name would be missing). Tied DeepSpeed models "
+                        f"convert between deepspeed layouts (any dp and ZeRO stage)")
+
+
+def refuse_frozen_params(source: CheckpointIndex, target: str) -> None:
+    """Raise PlanError when `source` holds parameters without optimizer state (DeepSpeed's frozen params)
+    and the `target` writer lays out optimizer state for every parameter."""
+    frozen = source.meta.get("frozen_params")
+    if frozen:
+        names = [n for n, _ in frozen]
+        raise PlanError(f"source {source.root} ({source.format}) holds {len(names)} frozen parameters without "
+                        f"optimizer state ({names[:3]}{'...' if len(names) > 3 else ''}); the {target} writer lays "
+                        f"out optimizer state for every parameter. Frozen parameters convert between deepspeed "
+                        f"layouts (any dp and ZeRO stage) and to hf (weights)")

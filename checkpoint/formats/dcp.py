@@ -29,7 +29,8 @@ import torch
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
+from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
+                                     refuse_tied_embeddings)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
@@ -270,6 +271,7 @@ def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
     if world < 1:
         raise PlanError(f"DCP target needs world size >= 1, got {world}")
     refuse_tied_embeddings(source, "dcp")
+    refuse_frozen_params(source, "dcp")
     src = source.by_key()
     params = [e for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)]
     names = list(dict.fromkeys(e.key.name for e in params))

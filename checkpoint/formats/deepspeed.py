@@ -10,6 +10,11 @@ On-disk layout (DeepSpeed 0.19, one model-parallel rank):
   files with `fp32_flat_groups`: every param is cut separately into dp pieces of ceil(numel/dp)
   (zero-padded on the last ranks), pieces concatenated per rank in param order, in sub-groups
   of about `sub_group_size` elements.
+* Tied weights: `shared_params` {module name: param it is}; the module state holds the alias as the
+  param's very tensor (ZeRO-1/2) or an empty one (ZeRO-3).
+* Frozen params (no optimizer state): whole in `module` at ZeRO-1/2 (ZeRO-2 also lists them in
+  `frozen_param_shapes` / `frozen_param_fragments`); at ZeRO-3 `frozen_param_shapes` and each rank's
+  ceil(numel/dp) elements in its model file's `frozen_param_fragments`.
 The partition math below is shared by the reader (where is each element) and the writer (where
 must it go), so both describe a layout the same way.
 """
@@ -44,6 +49,7 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _STANDARD_MODEL_KEYS = ("module", "param_shapes")
+_FROZEN_KEYS = ("frozen_param_shapes", "frozen_param_fragments")  # rebuilt by the writer for the target layout
 # what DeepSpeed's engine itself puts in model_states (everything else is the caller's client state)
 _ENGINE_MODEL_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -221,12 +227,12 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
                                   f"{optim_names[0]} says zero_stage={stage}")
     if expect_stage is not None and expect_stage != stage:
         raise LayoutMismatchError(f"{root}: declared zero stage {expect_stage} but the checkpoint is stage {stage}")
-    if model_sd.get("frozen_param_shapes"):
-        raise CheckpointFormatError(f"{root / model_rel}: frozen parameters "
-                                    f"({list(model_sd['frozen_param_shapes'])[:3]}...) are not supported")
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g.items()] for g in model_sd["param_shapes"]]
     module = model_sd["module"]
     buffer_names = list(model_sd.get("buffer_names", []))
+    trainable = {p.name for g in groups for p in g}
+    shared = shared_params(model_sd, trainable, root / model_rel)
+    frozen = frozen_params(model_sd, trainable, set(buffer_names), shared, stage3, root / model_rel)
     model_dtype = dtype_name(next(iter(module.values())).dtype) if module else "float32"
     entries: list[TensorEntry] = []
     for name in buffer_names:
@@ -237,12 +243,16 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
             for p in g:
                 entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
                                            module[p.name], shape=p.shape))
+        for p in frozen:
+            entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
+                                       module[p.name], shape=p.shape))
         entries += _z12_entries(groups, dp, tag, bf16, optim, root)
         hparams = [_hparams(pg) for pg in osd0["base_optimizer_state"]["param_groups"]]
     else:
         sub_size = int(model_sd.get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
         entries += _z3_entries(groups, dp, tag, bf16, optim, root, sub_size)
+        entries += _z3_frozen_entries(frozen, dp, tag, tag_dir, trust_checkpoint)
         hparams = [_hparams(pg) for pg in osd0[OSD]["param_groups"]]
     for e in entries:
         e.check_complete()
@@ -251,8 +261,9 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         "stage": stage, "dp": dp, "tag": tag, "dtype": model_dtype, "bf16_files": bf16,
         "param_groups": [[(p.name, list(p.shape)) for p in g] for g in groups],
         "module_keys": list(module.keys()), "buffer_names": buffer_names,
+        "shared_params": shared, "frozen_params": [(p.name, list(p.shape)) for p in frozen],
         "param_group_hparams": hparams,
-        "model_state": {k: v for k, v in model_sd.items() if k not in _STANDARD_MODEL_KEYS},
+        "model_state": {k: v for k, v in model_sd.items() if k not in _STANDARD_MODEL_KEYS + _FROZEN_KEYS},
         "loss_scaler": None if loss_scaler is None else _plain(loss_scaler),
         "optimizer_flags": {k: osd0[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in osd0},
         "ds_version": str(optim[0].get("ds_version", model_sd.get("ds_version", ""))),
@@ -269,6 +280,87 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     model_files = [f"{tag}/{n}" for n in z3_models] if stage3 else [model_rel]
     files = (*model_files, *(f"{tag}/{optim_names[r]}" for r in range(dp)))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=_plain(meta))
+
+
+def shared_params(model_sd: Mapping[str, Any], trainable: set[str], where: Path) -> dict[str, str]:
+    """DeepSpeed's `shared_params`: {module name that is not stored separately: the param it is}
+    (tied weights, e.g. an output layer tied to the input embedding), checked against the module."""
+    shared = model_sd.get("shared_params") or {}
+    if not isinstance(shared, Mapping):
+        raise CheckpointFormatError(f"{where}: shared_params is {type(shared).__name__}, expected a dict "
+                                    f"{{alias: param name}}")
+    module = model_sd["module"]
+    frozen = set(model_sd.get("frozen_param_shapes") or ())
+    for alias, owner in shared.items():
+        if alias not in module:
+            raise CheckpointFormatError(f"{where}: shared_params names {alias!r} (-> {owner!r}), which the module "
+                                        f"state does not hold")
+        if owner not in trainable and owner not in frozen and owner not in module:
+            raise CheckpointFormatError(f"{where}: shared_params ties {alias!r} to {owner!r}, which is neither a "
+                                        f"parameter in param_shapes nor in the module state")
+    return {str(a): str(o) for a, o in shared.items()}
+
+
+def frozen_params(model_sd: Mapping[str, Any], trainable: set[str], buffers: set[str], shared: Mapping[str, str],
+                  stage3: bool, where: Path) -> list[Param]:
+    """The parameters no optimizer owns (`requires_grad=False`), in module order.
+
+    ZeRO-1/2 keep them whole in `module` (every module tensor that is not a trained param, a buffer or
+    a tied alias; ZeRO-2 also lists them in `frozen_param_shapes`); ZeRO-3 lists them in
+    `frozen_param_shapes` and keeps each rank's piece in its `frozen_param_fragments`.
+    """
+    module = model_sd["module"]
+    listed = {str(n): tuple(s) for n, s in (model_sd.get("frozen_param_shapes") or {}).items()}
+    if stage3:
+        unknown = [k for k in module if k not in trainable and k not in buffers and k not in shared
+                   and k not in listed]
+        if unknown:
+            raise CheckpointFormatError(f"{where}: module tensors {unknown[:4]} are neither in param_shapes, "
+                                        f"frozen_param_shapes, buffer_names nor shared_params")
+        return [Param(name=n, shape=s) for n, s in listed.items()]
+    out = []
+    for name, t in module.items():
+        if name in trainable or name in buffers or name in shared:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointFormatError(f"{where}: module entry {name!r} is {type(t).__name__}, not a tensor")
+        if name in listed and listed[name] != tuple(t.shape):
+            raise LayoutMismatchError(f"{where}: frozen param {name} has shape {tuple(t.shape)} but "
+                                      f"frozen_param_shapes says {listed[name]}")
+        out.append(Param(name=name, shape=tuple(t.shape)))
+    missing = sorted(set(listed) - {p.name for p in out})
+    if missing:
+        raise CheckpointFormatError(f"{where}: frozen_param_shapes lists {missing[:4]}, which the module state "
+                                    f"does not hold")
+    return out
+
+
+def _z3_frozen_entries(frozen: Sequence[Param], dp: int, tag: str, tag_dir: Path,
+                       trust_checkpoint: bool) -> list[TensorEntry]:
+    """Entries of ZeRO-3 frozen params: rank r's `frozen_param_fragments[name]` holds the param's
+    flat elements [r * c, (r + 1) * c) with c = ceil(numel / dp), zero-padded on the last ranks."""
+    if not frozen:
+        return []
+    files = [model_file(tag, 3, r) for r in range(dp)]
+    states = [safe_load.load(tag_dir.parent / f, mmap=True, trust_checkpoint=trust_checkpoint) for f in files]
+    entries = []
+    for p in frozen:
+        c, dtypes = z3_piece(p.numel, dp), set()
+        for r, st in enumerate(states):
+            frag = (st.get("frozen_param_fragments") or {}).get(p.name)
+            if not isinstance(frag, torch.Tensor) or frag.numel() != c:
+                got = "missing" if frag is None else f"{type(frag).__name__} of {getattr(frag, 'numel', lambda: '?')()}"
+                raise LayoutMismatchError(f"{tag_dir.parent / files[r]}: frozen_param_fragments[{p.name!r}] is {got}; "
+                                          f"ZeRO-3 at dp={dp} keeps {c} elements of its {p.numel} per rank")
+            dtypes.add(dtype_name(frag.dtype))
+        if len(dtypes) != 1:
+            raise LayoutMismatchError(f"{tag_dir}: frozen param {p.name} stored as {sorted(dtypes)} across ranks")
+        entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dtypes.pop(),
+                                   chunks=tuple(ChunkRef(file=files[r], key=("frozen_param_fragments", p.name),
+                                                         offsets=(0,) * len(p.shape), lengths=p.shape,
+                                                         flat_range=(r * c, min((r + 1) * c, p.numel)))
+                                                for r in range(dp) if r * c < p.numel)))
+    return entries
 
 
 def _hparams(pg: Mapping[str, Any]) -> dict[str, Any]:
@@ -480,18 +572,28 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
         entries.append(TensorEntry(key=e.key, shape=e.shape, dtype=e.dtype, chunks=tuple(
             ChunkRef(file=mf, key=("module", name), offsets=(0,) * len(e.shape), lengths=e.shape)
             for mf in model_files)))
+    frozen = [(Param(name=n, shape=tuple(s)), src[TensorKey(name=n, kind=Kind.PARAM)].dtype)
+              for n, s in m.get("frozen_params") or ()]
     if zero_stage != 3:
-        for g in groups:
-            for p in g:
-                add(model_files[0], ("module", p.name), p.shape, dtype)
-                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dtype,
-                                           chunks=(ChunkRef(file=model_files[0], key=("module", p.name),
-                                                            offsets=(0,) * len(p.shape), lengths=p.shape),)))
+        _check_module_covered(m, groups, frozen, source)
+        for p, dt in [(p, dtype) for g in groups for p in g] + frozen:
+            add(model_files[0], ("module", p.name), p.shape, dt)
+            entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dt,
+                                       chunks=(ChunkRef(file=model_files[0], key=("module", p.name),
+                                                        offsets=(0,) * len(p.shape), lengths=p.shape),)))
         layout = _z12_layout(groups, dp)
     else:
         sub = int(m["model_state"].get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
         layout = _z3_layout(groups, dp, sub)
+        for p, dt in frozen:  # each rank's model file keeps its piece, as `_z3_frozen_entries` reads it
+            c = z3_piece(p.numel, dp)
+            for mf in model_files:
+                add(mf, ("frozen_param_fragments", p.name), (c,), dt)
+            entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dt, chunks=tuple(
+                ChunkRef(file=mf, key=("frozen_param_fragments", p.name), offsets=(0,) * len(p.shape),
+                         lengths=p.shape, flat_range=(r * c, min((r + 1) * c, p.numel)))
+                for r, mf in enumerate(model_files) if r * c < p.numel)))
     step_dtype = next((e.dtype for e in source.entries if e.key.kind is Kind.STEP), "float32")
     flat_groups = []
     for gid, pg, params, chunks, master_numels, padded in layout:
@@ -535,6 +637,19 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files))
+
+
+def _check_module_covered(m: Mapping[str, Any], groups: Sequence[Sequence[Param]],
+                          frozen: Sequence[tuple[Param, str]], source: CheckpointIndex) -> None:
+    """ZeRO-1/2 store every module tensor whole: each module key must be a trained param, a frozen
+    param, a buffer or a tied alias of one of them, or the target would hold an empty tensor there."""
+    known = {p.name for g in groups for p in g} | {p.name for p, _ in frozen} | set(m["buffer_names"]) | \
+        set(m.get("shared_params") or {})
+    unknown = [k for k in m["module_keys"] if k not in known]
+    if unknown:
+        raise PlanError(f"source {source.root} ({source.format}): module tensors {unknown[:4]} are neither trained "
+                        f"params, frozen params, buffers nor tied (shared) params of the index; a ZeRO-1/2 target "
+                        f"stores every module tensor whole and cannot be written without them")
 
 
 def _training_state(m: Mapping[str, Any], *, dp: int, zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -592,18 +707,24 @@ def _ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
     dtype = getattr(torch, meta["dtype"])
+    shared, frozen = meta.get("shared_params") or {}, meta.get("frozen_params") or []
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name in meta["module_keys"]:
-        buf = buffers.get(("module", name))
+        buf = buffers.get(("module", shared.get(name, name)))  # a tied alias is its param's very tensor
         module[name] = buf if buf is not None else torch.empty(0, dtype=dtype)
     state = {"module": module} | copy.deepcopy(dict(meta["model_state"]))
     state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in g) for g in meta["param_groups"]]
-    for k in ("frozen_param_shapes", "frozen_param_fragments"):
-        if isinstance(state.get(k), dict):  # empty (the reader refuses frozen params); None stays None
-            state[k] = OrderedDict()
+    state["shared_params"] = dict(shared)
+    if meta["stage"] >= 2:  # as DeepSpeed saves them when it partitions gradients (ZeRO-2/3)
+        state["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in frozen)
+        state["frozen_param_fragments"] = OrderedDict(
+            (n, buffers[("frozen_param_fragments", n)] if meta["stage"] == 3 else module[n]) for n, _ in frozen)
+    else:
+        state["frozen_param_shapes"] = state["frozen_param_fragments"] = None
     state["dp_world_size"] = meta["dp"]
     state["ds_config"] = _ds_config(meta)
-    order = ["module", "buffer_names", "optimizer", "param_shapes"]
+    order = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+             "frozen_param_fragments"]
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
 
 

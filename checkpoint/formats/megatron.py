@@ -37,6 +37,7 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -654,6 +655,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     fp32 param stands in for a missing fp32 master. Raises PlanError when the source lacks the
     architecture or the optimizer state, CheckpointFormatError when the layout does not fit the model
     (e.g. query groups not divisible by tp)."""
+    refuse_shared_params(source, "megatron")
+    refuse_frozen_params(source, "megatron")
     arch = source_arch(source, model_config)
     m = source.meta if source.format == FORMAT else {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)

@@ -32,6 +32,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LocalParam, bucket_layout, canonical_train_state,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
@@ -400,6 +401,8 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     RNG, ours) and a `distrib_optim.pt` (flat fp32 master / exp_avg / exp_avg_sq per grad buffer; the dense
     optimizer's state in the EP rank 0 dir, None elsewhere, as Megatron-Core's DP-rank-0 gather leaves it).
     Raises PlanError when the source lacks the optimizer state or the architecture."""
+    refuse_shared_params(source, "megatron-legacy")
+    refuse_frozen_params(source, "megatron-legacy")
     arch = _untied(source_arch(source, model_config), f"source {source.root}")
     m = source.meta if source.format in (FORMAT, DIST_FORMAT) else {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)

@@ -26,7 +26,8 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats import deepspeed as ds
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
+                                     refuse_tied_embeddings)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
@@ -185,6 +186,8 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     """
     if zero_stage not in (1, 2, 3) or dp < 1:
         raise PlanError(f"universal target needs zero_stage in 1..3 and dp >= 1, got zero_stage={zero_stage} dp={dp}")
+    refuse_tied_embeddings(source, "deepspeed_universal")
+    refuse_frozen_params(source, "deepspeed_universal")
     m = source.meta if source.format in ds.DS_META_FORMATS else ds.deepspeed_meta_from(source)
     src = source.by_key()
     names = [n for g in m["param_groups"] for n, _ in g]

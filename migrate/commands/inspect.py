@@ -39,6 +39,8 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "state": {k: kinds.get(str(k), 0) for k in Kind},
         "lr_scheduler": ((meta.get("model_state") or {}).get("lr_scheduler")
                          or (meta.get("train_state") or {}).get("lr_scheduler")) is not None,
+        "tied_params": dict(meta.get("shared_params") or {}),
+        "frozen_params": [name for name, _ in meta.get("frozen_params") or ()],
     }
 
 
@@ -55,7 +57,11 @@ def render(info: dict[str, Any]) -> str:
         f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",
         f"  step        {info['global_step']}",
         f"  state       {state}; lr scheduler {'yes' if info['lr_scheduler'] else 'no'}",
-    ])
+    ] + ([f"  tied        {', '.join(f'{a} is {o}' for a, o in info['tied_params'].items())}"]
+         if info["tied_params"] else [])
+      + ([f"  frozen      {len(info['frozen_params'])} params without optimizer state "
+          f"({', '.join(info['frozen_params'][:4])}{', ...' if len(info['frozen_params']) > 4 else ''})"]
+         if info["frozen_params"] else []))
 
 
 @click.command(name="inspect", help="Describe the checkpoint at CKPT (format, layout, tensors, bytes, state).")
