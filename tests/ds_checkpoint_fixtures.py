@@ -44,10 +44,11 @@ class DSCheckpointSpec:
     seed: int = 7
     tag: str = "global_step3"
     model: str = "tiny"  # tiny (TinyNet) | tied_frozen (TiedFrozenNet)
+    grad_accum: str = ""  # "fp32" with bf16 at ZeRO-1: DeepSpeed's BF16_Optimizer (its data_types.grad_accum_dtype)
 
     @property
     def name(self) -> str:
-        suffix = "" if self.model == "tiny" else f"_{self.model}"
+        suffix = ("" if self.model == "tiny" else f"_{self.model}") + (f"_acc{self.grad_accum}" if self.grad_accum else "")
         return f"z{self.stage}_dp{self.world_size}_{self.dtype}_{self.optimizer}{suffix}"
 
 
@@ -91,7 +92,8 @@ class TiedFrozenNet(torch.nn.Module):
 MODELS = {"tiny": TinyNet, "tied_frozen": TiedFrozenNet}
 
 
-def ds_config(stage: int, dtype: str, universal: bool = False, optimizer: str = "adam") -> dict[str, Any]:
+def ds_config(stage: int, dtype: str, universal: bool = False, optimizer: str = "adam",
+              grad_accum: str = "") -> dict[str, Any]:
     """The DeepSpeed config both the source run and the verifying load use (`universal`: load a
     universal checkpoint; an `optimizer` starting with `ds_` is built by DeepSpeed from this config)."""
     cfg: dict[str, Any] = {
@@ -104,6 +106,8 @@ def ds_config(stage: int, dtype: str, universal: bool = False, optimizer: str = 
     }
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if grad_accum:
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum}
     if optimizer.startswith("ds_"):
         cfg["optimizer"] = {"type": "AdamW" if optimizer == "ds_adamw" else "Adam",
                             "params": {"lr": 0.01, "weight_decay": 0.01 if optimizer == "ds_adamw" else 0.0}}
@@ -125,13 +129,14 @@ def _probe_batch() -> torch.Tensor:
     return torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(PROBE_SEED))
 
 
-def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool = False, model: str = "tiny"):
+def _engine(stage: int, dtype: str, optimizer: str, seed: int, universal: bool = False, model: str = "tiny",
+            grad_accum: str = ""):
     import deepspeed
 
     torch.manual_seed(seed)
     module = MODELS[model]()
     trainable = [p for p in module.parameters() if p.requires_grad]
-    config = ds_config(stage, dtype, universal, optimizer)
+    config = ds_config(stage, dtype, universal, optimizer, grad_accum)
     if optimizer.startswith("ds_"):
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
         return engine
@@ -158,7 +163,7 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
     try:
         _init_process(rank, world_size, init_file)
         spec = DSCheckpointSpec(**spec_d)
-        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed, model=spec.model)
+        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed, model=spec.model, grad_accum=spec.grad_accum)
         losses = []
         for step in range(spec.steps):
             loss = engine(_batch(rank, step))
@@ -167,7 +172,9 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
             losses.append(float(loss))
         engine.save_checkpoint(out_dir, tag=spec.tag, client_state={"data_position": 6 * spec.steps, "note": "fixture"})
         result = {"losses": losses, "probe_loss": _probe_loss(engine),
-                  "optimizer_class": type(engine.optimizer.optimizer).__name__}
+                  "optimizer_class": type(engine.optimizer.optimizer).__name__,
+            "wrapper_class": type(engine.optimizer).__name__,
+                  "wrapper_class": type(engine.optimizer).__name__}
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -199,10 +206,12 @@ def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: str, stage: int, dtype: str,
-               optimizer: str, result_dir: str, universal: bool = False, model: str = "tiny") -> None:
+               optimizer: str, result_dir: str, universal: bool = False, model: str = "tiny",
+               grad_accum: str = "") -> None:
     try:
         _init_process(rank, world_size, init_file)
-        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal, model=model)  # the load must
+        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal, model=model,  # the load must
+                         grad_accum=grad_accum)
         # overwrite it all, frozen params included
         _, client = engine.load_checkpoint(ckpt_dir, tag=None if universal else tag)
         if client is None:
@@ -212,6 +221,7 @@ def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: s
             "global_steps": engine.global_steps,
             "optimizer_step": [float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s][:1],
             "optimizer_class": type(engine.optimizer.optimizer).__name__,
+            "wrapper_class": type(engine.optimizer).__name__,
             "optimizer_step_type": [type(s["step"]).__name__ for s in engine.optimizer.optimizer.state.values()
                                     if "step" in s][:1],
             "lr": [g["lr"] for g in engine.optimizer.param_groups],
@@ -295,14 +305,16 @@ class LoadedState:
 
 
 def load_and_probe(ckpt_dir: Path, *, world_size: int, stage: int, dtype: str, optimizer: str = "adam",
-                   tag: str = "global_step3", work: Path, universal: bool = False, model: str = "tiny") -> LoadedState:
+                   tag: str = "global_step3", work: Path, universal: bool = False, model: str = "tiny",
+                   grad_accum: str = "") -> LoadedState:
     """Load `ckpt_dir` with DeepSpeed at (world_size, stage), gather its state, train one step.
 
     `universal`: load with `"checkpoint": {"load_universal": true}` (the tag from `latest_universal`)."""
     result_dir = Path(work)
     result_dir.mkdir(parents=True, exist_ok=True)
     notes = _launch(_load_rank, world_size,
-                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir), universal, model), result_dir)
+                    (str(ckpt_dir), tag, stage, dtype, optimizer, str(result_dir), universal, model, grad_accum),
+                    result_dir)
     blob = torch.load(Path(result_dir, "rank0.pt"), weights_only=True)
     return LoadedState(params=blob["state"], meta=blob["meta"], probe_loss=blob["probe_loss"],
                        probe_after_step=blob["probe_after_step"], launch_notes=tuple(notes))

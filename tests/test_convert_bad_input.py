@@ -71,6 +71,15 @@ def test_truncated_shard_is_named(source_copy, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_pipeline_or_moe_deepspeed_files_are_refused_by_name(source_copy, tmp_path):
+    """DeepSpeed's pipeline engine saves one file per layer; a layout this reader does not model is named."""
+    (source_copy / "global_step3" / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    result = CliRunner().invoke(convert_cmd, [str(source_copy), str(tmp_path / "out"), "--to", "deepspeed"])
+    assert result.exit_code == 2, result.output
+    assert "layer_01-model_00-model_states.pt" in result.output and "pipeline-parallel" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_declared_layout_must_match(deepspeed_checkpoints, tmp_path):
     with pytest.raises(LayoutMismatchError, match=r"declared dp=4 but the checkpoint was saved at dp=3"):
         convert(deepspeed_checkpoints(SPEC), tmp_path / "out", to="deepspeed", expect_dp=4)

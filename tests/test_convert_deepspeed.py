@@ -167,3 +167,42 @@ def test_config_built_fused_and_cpu_adam_convert_and_load_bit_exact(spec, dp, st
         assert a.dtype == b.dtype and torch.equal(a, b), f"{entry.key} differs after the round trip"
     back_optim = safe_load.load(tmp_path / "back" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     assert type(back_optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int
+
+
+BF16_OPTIMIZER = DSCheckpointSpec(world_size=3, stage=1, dtype="bf16", grad_accum="fp32")  # DeepSpeed's BF16_Optimizer
+
+
+@pytest.mark.parametrize("dp,stage,grad_accum,wrapper", [
+    (2, 1, "fp32", "BF16_Optimizer"),  # the same config at dp 2: BF16_Optimizer's own files
+    (4, 2, "", "DeepSpeedZeroOptimizer"),  # ZeRO-2 with bf16 gradients
+], ids=["bf16opt_dp2", "zero2_dp4"])
+def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrapper, deepspeed_checkpoints, tmp_path):
+    """bf16 + ZeRO-1 + fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, whose files keep no
+    zero_stage and the fp32 partitions with their alignment padding."""
+    spec = BF16_OPTIMIZER
+    src = deepspeed_checkpoints(spec)
+    fixture = json.loads((src / "fixture.json").read_text())
+    assert fixture["wrapper_class"] == "BF16_Optimizer"
+    index = read_index(src)
+    assert (index.meta["stage"], index.meta["optimizer_flavor"]) == (1, "bf16_optimizer")
+    dst = tmp_path / "converted"
+    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    assert verify_manifest(dst) == []
+    last = safe_load.load(dst / "global_step3" / f"bf16_zero_pp_rank_{dp - 1}_mp_rank_00_optim_states.pt")
+    assert ("zero_stage" in last["optimizer_state_dict"]) == (wrapper != "BF16_Optimizer")
+    ref = load_and_probe(src, world_size=spec.world_size, stage=1, dtype="bf16", grad_accum="fp32",
+                         work=tmp_path / "load_src")
+    loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype="bf16", grad_accum=grad_accum,
+                            work=tmp_path / "load_dst")
+    assert loaded.meta["wrapper_class"] == wrapper
+    _assert_same_state(loaded.params, ref.params, f"BF16_Optimizer dp3 -> {wrapper} dp{dp}")
+    assert loaded.meta["optimizer_step"] == [float(spec.steps)] and loaded.meta["global_steps"] == spec.steps
+    assert loaded.probe_loss == fixture["probe_loss"]
+    assert math.isfinite(loaded.probe_after_step) and loaded.probe_after_step != loaded.probe_loss
+    if stage == 1:  # and back: BF16_Optimizer's files again, bit for bit
+        convert(dst, tmp_path / "back", to="deepspeed", dp=spec.world_size, zero_stage=1)
+        for (entry, a), (_, b) in zip(iter_tensors(index), iter_tensors(read_index(tmp_path / "back")), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{entry.key} differs after the round trip"
+        for r in range(spec.world_size):
+            name = f"global_step3/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            assert _skeleton(safe_load.load(tmp_path / "back" / name)) == _skeleton(safe_load.load(src / name)), name

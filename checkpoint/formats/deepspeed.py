@@ -46,8 +46,12 @@ FORMAT = "deepspeed"
 DS_META_FORMATS = (FORMAT, "deepspeed_universal")  # indexes whose meta is DeepSpeed's own (see universal.py)
 OSD = "optimizer_state_dict"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+ZERO_OPTIMIZER, BF16_OPTIMIZER = "zero", "bf16_optimizer"  # which DeepSpeed optimizer wrote the optimizer files
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+# DeepSpeed's pipeline-engine layer files and MoE expert / expert-optimizer files (not read here)
+_PIPELINE_OR_MOE_RE = re.compile(r"^(layer_\d+-model_\d+-model_states|layer_\d+_expert_\d+_mp_rank_\d+_model_states"
+                                 r"|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 _STANDARD_MODEL_KEYS = ("module", "param_shapes")
 _FROZEN_KEYS = ("frozen_param_shapes", "frozen_param_fragments")  # rebuilt by the writer for the target layout
 # what DeepSpeed's engine itself puts in model_states (everything else is the caller's client state)
@@ -176,6 +180,11 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 def _rank_files(tag_dir: Path) -> tuple[dict[int, str], bool]:
     files: dict[int, str] = {}
     bf16 = set()
+    other = sorted(f.name for f in tag_dir.iterdir() if _PIPELINE_OR_MOE_RE.match(f.name))
+    if other:
+        raise CheckpointFormatError(f"{tag_dir}: {other[0]} ({len(other)} such files): DeepSpeed pipeline-parallel "
+                                    f"(layer_XX-model_YY) and MoE (expert / expp_rank) checkpoints are not supported; "
+                                    f"only data-parallel ZeRO 1/2/3 ones (mp_rank_00)")
     for f in tag_dir.iterdir():
         if m := _OPTIM_RE.match(f.name):
             if m.group(3) != "00":
@@ -221,7 +230,13 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     optim = [safe_load.load(tag_dir / optim_names[r], mmap=True, trust_checkpoint=trust_checkpoint)
              for r in range(dp)]
     osd0 = optim[0][OSD]
-    stage = int(_plain(osd0["zero_stage"]))
+    # DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 with fp32 gradient accumulation) partitions as ZeRO-1 but
+    # stores no zero_stage and keeps the fp32 partitions with their alignment padding
+    bf16_optimizer = "zero_stage" not in osd0 and "single_partition_of_fp32_groups" in osd0
+    if "zero_stage" not in osd0 and not bf16_optimizer:
+        raise CheckpointFormatError(f"{tag_dir / optim_names[0]}: {OSD} holds neither zero_stage (ZeRO optimizer) "
+                                    f"nor single_partition_of_fp32_groups (BF16_Optimizer): keys {sorted(osd0)}")
+    stage = 1 if bf16_optimizer else int(_plain(osd0["zero_stage"]))
     if stage3 != (stage == 3):
         raise LayoutMismatchError(f"{tag_dir}: file layout says {'ZeRO-3' if stage3 else 'ZeRO-1/2'} but "
                                   f"{optim_names[0]} says zero_stage={stage}")
@@ -246,7 +261,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         for p in frozen:
             entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
                                        module[p.name], shape=p.shape))
-        entries += _z12_entries(groups, dp, tag, bf16, optim, root)
+        entries += _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters=bf16_optimizer)
         hparams = [_hparams(pg) for pg in osd0["base_optimizer_state"]["param_groups"]]
     else:
         sub_size = int(model_sd.get("ds_config", {}).get("zero_optimization", {}).get(
@@ -259,6 +274,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     loss_scaler = osd0.get("loss_scaler")
     meta = {
         "stage": stage, "dp": dp, "tag": tag, "dtype": model_dtype, "bf16_files": bf16,
+        "optimizer_flavor": BF16_OPTIMIZER if bf16_optimizer else ZERO_OPTIMIZER,
         "param_groups": [[(p.name, list(p.shape)) for p in g] for g in groups],
         "module_keys": list(module.keys()), "buffer_names": buffer_names,
         "shared_params": shared, "frozen_params": [(p.name, list(p.shape)) for p in frozen],
@@ -474,11 +490,14 @@ def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tu
     return entries
 
 
-def _z12_layout(groups: Sequence[Sequence[Param]], dp: int):
+def _z12_layout(groups: Sequence[Sequence[Param]], dp: int, padded_masters: bool = False):
+    """Per group (flat id, group id, params, chunks, fp32 master numel per rank, partition size): ZeRO-1/2
+    store each rank's fp32 master without the alignment padding, BF16_Optimizer with it (`padded_masters`)."""
     out = []
     for gid, g in enumerate(groups):
         size, pad = z12_partition_size(g, dp)
-        master = [size - max(0, min(size, (r + 1) * size - (dp * size - pad))) for r in range(dp)]
+        master = [size if padded_masters else size - max(0, min(size, (r + 1) * size - (dp * size - pad)))
+                  for r in range(dp)]
         out.append((gid, gid, g, z12_chunks(g, dp), master, size))
     return out
 
@@ -492,7 +511,7 @@ def _z3_layout(groups: Sequence[Sequence[Param]], dp: int, sub_group_size: int):
     return out
 
 
-def _z12_entries(groups, dp, tag, bf16, optim, root) -> list[TensorEntry]:
+def _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters: bool = False) -> list[TensorEntry]:
     for gid, g in enumerate(groups):
         for r in range(dp):
             pc = optim[r][OSD].get("partition_count")
@@ -500,7 +519,7 @@ def _z12_entries(groups, dp, tag, bf16, optim, root) -> list[TensorEntry]:
             if count != dp:
                 raise LayoutMismatchError(f"{root / optim_file(tag, r, bf16)}: partition_count {count} != "
                                           f"dp_world_size {dp} (group {gid})")
-    return _flat_entries(_z12_layout(groups, dp), 2, tag, bf16, optim, root)
+    return _flat_entries(_z12_layout(groups, dp, padded_masters), 2, tag, bf16, optim, root)
 
 
 def _z3_entries(groups, dp, tag, bf16, optim, root, sub_group_size) -> list[TensorEntry]:
@@ -574,6 +593,9 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             for mf in model_files)))
     frozen = [(Param(name=n, shape=tuple(s)), src[TensorKey(name=n, kind=Kind.PARAM)].dtype)
               for n, s in m.get("frozen_params") or ()]
+    # a BF16_Optimizer source stays one at ZeRO-1 (what the same DeepSpeed config saves); DeepSpeed's
+    # ZeRO optimizers and BF16_Optimizer each load the other's ZeRO-1 files as well
+    flavor = BF16_OPTIMIZER if m.get("optimizer_flavor") == BF16_OPTIMIZER and zero_stage == 1 else ZERO_OPTIMIZER
     if zero_stage != 3:
         _check_module_covered(m, groups, frozen, source)
         for p, dt in [(p, dtype) for g in groups for p in g] + frozen:
@@ -581,7 +603,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dt,
                                        chunks=(ChunkRef(file=model_files[0], key=("module", p.name),
                                                         offsets=(0,) * len(p.shape), lengths=p.shape),)))
-        layout = _z12_layout(groups, dp)
+        layout = _z12_layout(groups, dp, padded_masters=flavor == BF16_OPTIMIZER)
     else:
         sub = int(m["model_state"].get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
@@ -618,7 +640,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                                        chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[Kind.STEP],
                                                              offsets=(), lengths=()) for r in range(dp))))
         flat_groups.append({"param_group": pg, "params": [p.name for p in params], "master_numels": master_numels,
-                            "partition_size": padded,
+                            "partition_size": padded, "padding": padded * dp - sum(p.numel for p in params),
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
     model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
     # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
@@ -626,6 +648,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     step = None if has_step else derived_step(source)
     meta = {**m, "model_state": model_state, "state_report": state_report,
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
+            "optimizer_flavor": flavor,
             "has_step": has_step, "derived_step": step, "writer_in_memory": step is not None}
     files = [TargetFile(path="latest", role="latest", rank=None)]
     if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
@@ -775,19 +798,28 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                "dynamic_loss_scale": flags.get("dynamic_loss_scale", False), "overflow": flags.get("overflow", False),
                "partition_count": dp, OSD: base, "fp32_flat_groups": masters}
     else:
+        bf16_optimizer = meta.get("optimizer_flavor") == BF16_OPTIMIZER
         paddings, slice_maps = [], []
         for gid, fg in enumerate(meta["flat_groups"]):
-            paddings.append(fg["partition_size"] - fg["master_numels"][rank] if rank == dp - 1 else 0)
+            if rank != dp - 1:
+                paddings.append(0)
+            else:  # BF16_Optimizer: the group's whole padding; ZeRO-1/2: what its lean master lacks
+                paddings.append(fg["padding"] if bf16_optimizer else fg["partition_size"] - fg["master_numels"][rank])
             mapping = OrderedDict()
             for name in fg["params"]:
                 for r, (lo, hi), so in fg["chunks"][name]:
                     if r == rank:
                         mapping[name] = fragment_address(numel=hi - lo, start=so)
             slice_maps.append(mapping)
-        osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
-               "overflow": flags.get("overflow", False)}
         # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
-        osd["clip_grad"] = flags.get("clip_grad", _ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        clip = flags.get("clip_grad", _ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
+            osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
+                   "group_paddings": paddings, "partition_count": [dp] * len(meta["flat_groups"]),
+                   "ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
+            return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
+        osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
+               "overflow": flags.get("overflow", False), "clip_grad": clip}
         osd |= {"base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
                 "zero_stage": ZeroStageEnum(stage), "group_paddings": paddings,
                 "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
