@@ -191,6 +191,12 @@ def required_globals(path: Path) -> list[str]:
         with _SAFE_GLOBALS_LOCK:
             return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
     except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head == b"\x80\x02":  # a pickle stream: torch.save's legacy (pre-1.6, non-zip) format
+            raise CheckpointFormatError(f"{path}: saved in torch's legacy non-zip format (torch < 1.6 or "
+                                        f"_use_new_zipfile_serialization=False), which is not read here; re-save it "
+                                        f"with a current torch (torch.save(torch.load(f), f))") from err
         raise CheckpointFormatError(f"{path}: not a readable torch checkpoint (truncated or corrupt?): {err}") from err
 
 

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from ds_checkpoint_fixtures import DSCheckpointSpec, deepspeed_checkpoints  # noqa: F401
 
@@ -77,6 +78,15 @@ def test_pipeline_or_moe_deepspeed_files_are_refused_by_name(source_copy, tmp_pa
     result = CliRunner().invoke(convert_cmd, [str(source_copy), str(tmp_path / "out"), "--to", "deepspeed"])
     assert result.exit_code == 2, result.output
     assert "layer_01-model_00-model_states.pt" in result.output and "pipeline-parallel" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_non_zip_torch_file_is_named_with_the_fix(source_copy, tmp_path):
+    model = source_copy / "global_step3" / "mp_rank_00_model_states.pt"
+    torch.save(torch.load(model, weights_only=False), model, _use_new_zipfile_serialization=False)
+    result = CliRunner().invoke(convert_cmd, [str(source_copy), str(tmp_path / "out"), "--to", "deepspeed"])
+    assert result.exit_code == 2, result.output
+    assert "mp_rank_00_model_states.pt: saved in torch's legacy non-zip format" in result.output
     assert not (tmp_path / "out").exists()
 
 

@@ -172,11 +172,19 @@ def test_config_built_fused_and_cpu_adam_convert_and_load_bit_exact(spec, dp, st
 BF16_OPTIMIZER = DSCheckpointSpec(world_size=3, stage=1, dtype="bf16", grad_accum="fp32")  # DeepSpeed's BF16_Optimizer
 
 
+@pytest.fixture(scope="module")
+def bf16_optimizer_reference(deepspeed_checkpoints, tmp_path_factory):
+    """The BF16_Optimizer source as DeepSpeed itself loads it at its own layout (the reference state)."""
+    return load_and_probe(deepspeed_checkpoints(BF16_OPTIMIZER), world_size=BF16_OPTIMIZER.world_size, stage=1,
+                          dtype="bf16", grad_accum="fp32", work=tmp_path_factory.mktemp("bf16opt_ref"))
+
+
 @pytest.mark.parametrize("dp,stage,grad_accum,wrapper", [
     (2, 1, "fp32", "BF16_Optimizer"),  # the same config at dp 2: BF16_Optimizer's own files
     (4, 2, "", "DeepSpeedZeroOptimizer"),  # ZeRO-2 with bf16 gradients
 ], ids=["bf16opt_dp2", "zero2_dp4"])
-def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrapper, deepspeed_checkpoints, tmp_path):
+def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrapper, deepspeed_checkpoints,
+                                                     bf16_optimizer_reference, tmp_path):
     """bf16 + ZeRO-1 + fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, whose files keep no
     zero_stage and the fp32 partitions with their alignment padding."""
     spec = BF16_OPTIMIZER
@@ -190,8 +198,7 @@ def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrap
     assert verify_manifest(dst) == []
     last = safe_load.load(dst / "global_step3" / f"bf16_zero_pp_rank_{dp - 1}_mp_rank_00_optim_states.pt")
     assert ("zero_stage" in last["optimizer_state_dict"]) == (wrapper != "BF16_Optimizer")
-    ref = load_and_probe(src, world_size=spec.world_size, stage=1, dtype="bf16", grad_accum="fp32",
-                         work=tmp_path / "load_src")
+    ref = bf16_optimizer_reference
     loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype="bf16", grad_accum=grad_accum,
                             work=tmp_path / "load_dst")
     assert loaded.meta["wrapper_class"] == wrapper
