@@ -48,7 +48,8 @@ class DSCheckpointSpec:
 
     @property
     def name(self) -> str:
-        suffix = ("" if self.model == "tiny" else f"_{self.model}") + (f"_acc{self.grad_accum}" if self.grad_accum else "")
+        suffix = "" if self.model == "tiny" else f"_{self.model}"
+        suffix += f"_acc{self.grad_accum}" if self.grad_accum else ""
         return f"z{self.stage}_dp{self.world_size}_{self.dtype}_{self.optimizer}{suffix}"
 
 
@@ -163,7 +164,8 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
     try:
         _init_process(rank, world_size, init_file)
         spec = DSCheckpointSpec(**spec_d)
-        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed, model=spec.model, grad_accum=spec.grad_accum)
+        engine = _engine(spec.stage, spec.dtype, spec.optimizer, spec.seed, model=spec.model,
+                         grad_accum=spec.grad_accum)
         losses = []
         for step in range(spec.steps):
             loss = engine(_batch(rank, step))

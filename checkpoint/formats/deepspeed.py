@@ -351,10 +351,19 @@ def frozen_params(model_sd: Mapping[str, Any], trainable: set[str], buffers: set
     return out
 
 
+def z3_frozen_entry(p: Param, dtype: str, files: Sequence[str]) -> TensorEntry:
+    """A ZeRO-3 frozen param: rank r's model file (`files[r]`) holds its flat elements [r * c, (r + 1) * c)
+    in `frozen_param_fragments[name]`, c = ceil(numel / dp), zero-padded on the last ranks."""
+    c = z3_piece(p.numel, len(files))
+    return TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dtype, chunks=tuple(
+        ChunkRef(file=f, key=("frozen_param_fragments", p.name), offsets=(0,) * len(p.shape), lengths=p.shape,
+                 flat_range=(r * c, min((r + 1) * c, p.numel)))
+        for r, f in enumerate(files) if r * c < p.numel))
+
+
 def _z3_frozen_entries(frozen: Sequence[Param], dp: int, tag: str, tag_dir: Path,
                        trust_checkpoint: bool) -> list[TensorEntry]:
-    """Entries of ZeRO-3 frozen params: rank r's `frozen_param_fragments[name]` holds the param's
-    flat elements [r * c, (r + 1) * c) with c = ceil(numel / dp), zero-padded on the last ranks."""
+    """Entries of ZeRO-3 frozen params (`z3_frozen_entry`), each rank's fragment checked."""
     if not frozen:
         return []
     files = [model_file(tag, 3, r) for r in range(dp)]
@@ -365,17 +374,13 @@ def _z3_frozen_entries(frozen: Sequence[Param], dp: int, tag: str, tag_dir: Path
         for r, st in enumerate(states):
             frag = (st.get("frozen_param_fragments") or {}).get(p.name)
             if not isinstance(frag, torch.Tensor) or frag.numel() != c:
-                got = "missing" if frag is None else f"{type(frag).__name__} of {getattr(frag, 'numel', lambda: '?')()}"
+                got = f"a tensor of {frag.numel()} elements" if isinstance(frag, torch.Tensor) else repr(frag)
                 raise LayoutMismatchError(f"{tag_dir.parent / files[r]}: frozen_param_fragments[{p.name!r}] is {got}; "
-                                          f"ZeRO-3 at dp={dp} keeps {c} elements of its {p.numel} per rank")
+                                          f"ZeRO-3 at dp={dp} keeps {c} of its {p.numel} elements per rank")
             dtypes.add(dtype_name(frag.dtype))
         if len(dtypes) != 1:
             raise LayoutMismatchError(f"{tag_dir}: frozen param {p.name} stored as {sorted(dtypes)} across ranks")
-        entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dtypes.pop(),
-                                   chunks=tuple(ChunkRef(file=files[r], key=("frozen_param_fragments", p.name),
-                                                         offsets=(0,) * len(p.shape), lengths=p.shape,
-                                                         flat_range=(r * c, min((r + 1) * c, p.numel)))
-                                                for r in range(dp) if r * c < p.numel)))
+        entries.append(z3_frozen_entry(p, dtypes.pop(), files))
     return entries
 
 
@@ -608,14 +613,10 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
         sub = int(m["model_state"].get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
         layout = _z3_layout(groups, dp, sub)
-        for p, dt in frozen:  # each rank's model file keeps its piece, as `_z3_frozen_entries` reads it
-            c = z3_piece(p.numel, dp)
+        for p, dt in frozen:  # each rank's model file keeps its piece
             for mf in model_files:
-                add(mf, ("frozen_param_fragments", p.name), (c,), dt)
-            entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dt, chunks=tuple(
-                ChunkRef(file=mf, key=("frozen_param_fragments", p.name), offsets=(0,) * len(p.shape),
-                         lengths=p.shape, flat_range=(r * c, min((r + 1) * c, p.numel)))
-                for r, mf in enumerate(model_files) if r * c < p.numel)))
+                add(mf, ("frozen_param_fragments", p.name), (z3_piece(p.numel, dp),), dt)
+            entries.append(z3_frozen_entry(p, dt, model_files))
     step_dtype = next((e.dtype for e in source.entries if e.key.kind is Kind.STEP), "float32")
     flat_groups = []
     for gid, pg, params, chunks, master_numels, padded in layout:

@@ -57,11 +57,17 @@ def render(info: dict[str, Any]) -> str:
         f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",
         f"  step        {info['global_step']}",
         f"  state       {state}; lr scheduler {'yes' if info['lr_scheduler'] else 'no'}",
-    ] + ([f"  tied        {', '.join(f'{a} is {o}' for a, o in info['tied_params'].items())}"]
-         if info["tied_params"] else [])
-      + ([f"  frozen      {len(info['frozen_params'])} params without optimizer state "
-          f"({', '.join(info['frozen_params'][:4])}{', ...' if len(info['frozen_params']) > 4 else ''})"]
-         if info["frozen_params"] else []))
+    ] + _tied_and_frozen_lines(info))
+
+
+def _tied_and_frozen_lines(info: dict[str, Any]) -> list[str]:
+    lines = []
+    if info["tied_params"]:
+        lines.append(f"  tied        {', '.join(f'{a} is {o}' for a, o in info['tied_params'].items())}")
+    if frozen := info["frozen_params"]:
+        more = ", ..." if len(frozen) > 4 else ""
+        lines.append(f"  frozen      {len(frozen)} params without optimizer state ({', '.join(frozen[:4])}{more})")
+    return lines
 
 
 @click.command(name="inspect", help="Describe the checkpoint at CKPT (format, layout, tensors, bytes, state).")
