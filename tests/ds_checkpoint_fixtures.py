@@ -212,9 +212,8 @@ def _load_rank(rank: int, world_size: int, init_file: str, ckpt_dir: str, tag: s
                grad_accum: str = "") -> None:
     try:
         _init_process(rank, world_size, init_file)
-        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal, model=model,  # the load must
-                         grad_accum=grad_accum)
-        # overwrite it all, frozen params included
+        # another seed: the load must overwrite every tensor, frozen params included
+        engine = _engine(stage, dtype, optimizer, seed=99, universal=universal, model=model, grad_accum=grad_accum)
         _, client = engine.load_checkpoint(ckpt_dir, tag=None if universal else tag)
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load {ckpt_dir} tag {tag}")

@@ -254,11 +254,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         t = module[name]
         entries.append(_full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), t))
     if not stage3:
-        for g in groups:
-            for p in g:
-                entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
-                                           module[p.name], shape=p.shape))
-        for p in frozen:
+        for p in [*(p for g in groups for p in g), *frozen]:  # ZeRO-1/2 keep every param whole in the module
             entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
                                        module[p.name], shape=p.shape))
         entries += _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters=bf16_optimizer)
@@ -814,18 +810,18 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
             slice_maps.append(mapping)
         # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
         clip = flags.get("clip_grad", _ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        counts = [dp] * len(meta["flat_groups"])
         if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
             osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
-                   "group_paddings": paddings, "partition_count": [dp] * len(meta["flat_groups"]),
-                   "ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
-            return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
-        osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
-               "overflow": flags.get("overflow", False), "clip_grad": clip}
-        osd |= {"base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
-                "zero_stage": ZeroStageEnum(stage), "group_paddings": paddings,
-                "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
-                "partition_count": [dp] * len(meta["flat_groups"]), "ds_version": meta["ds_version"],
-                "param_slice_mappings": slice_maps}
+                   "group_paddings": paddings, "partition_count": counts}
+        else:
+            osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
+                   "overflow": flags.get("overflow", False), "clip_grad": clip, "base_optimizer_state": base,
+                   "single_partition_of_fp32_groups": masters, "zero_stage": ZeroStageEnum(stage),
+                   "group_paddings": paddings,
+                   "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
+                   "partition_count": counts}
+        osd |= {"ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
     return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
 
 

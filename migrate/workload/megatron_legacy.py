@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from migrate.workload.data import SamplerState
+from migrate.workload.megatron_engine import TRACKER_FILE
 from migrate.workload.model_spec import ModelSpec
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as megatron_engine.TRACKER_FILE (written by its write_tracker)
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
