@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoint.destination import Existing, refuse_unfinished
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import ExecutionResult, MapFn, Writer, check_destination, execute
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex
+from checkpoint.paths import check_disjoint, check_links, inside
 from checkpoint.plan import ConversionPlan, make_plan
 
 FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE)
@@ -42,12 +44,37 @@ def detect_format(path: str | Path) -> str:
 
 def read_index(path: str | Path, *, trust_checkpoint: bool = False, expect_dp: int | None = None,
                expect_stage: int | None = None, expect_tp: int | None = None, expect_pp: int | None = None,
-               expect_ep: int | None = None, fmt: str | None = None) -> CheckpointIndex:
+               expect_ep: int | None = None, fmt: str | None = None, follow_symlinks: bool = False) -> CheckpointIndex:
     """Index the checkpoint at `path` (format detected unless `fmt`) from metadata only, checking the
-    declared layout when given."""
+    declared layout when given.
+
+    Before anything is read: the folder must not be a conversion's unfinished output, and no symbolic
+    link in it may lead outside it (unless `follow_symlinks`); after: every file the index names must lie
+    inside the checkpoint's root. Raises CheckpointFormatError naming the file otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointFormatError(f"{path}: no such file or directory")
+    refuse_unfinished(path)
+    check_links(path, follow_symlinks=follow_symlinks)
     spec = get_format(fmt) if fmt is not None else get_format(detect_format(path))
-    return spec.read(Path(path), ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect_dp,
-                                             zero_stage=expect_stage, tp=expect_tp, pp=expect_pp, ep=expect_ep))
+    try:
+        index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect_dp, zero_stage=expect_stage,
+                                            tp=expect_tp, pp=expect_pp, ep=expect_ep))
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, OSError) as err:
+        # content the reader's own checks did not foresee: still one line naming the checkpoint, not a traceback
+        raise CheckpointFormatError(f"{path}: not a readable {spec.name} checkpoint ({type(err).__name__}: "
+                                    f"{str(err)[:300]})") from err
+    check_index_paths(index, follow_symlinks=follow_symlinks)
+    return index
+
+
+def check_index_paths(index: CheckpointIndex, *, follow_symlinks: bool = False) -> None:
+    """Every file an index names (its files and every chunk's file) stays inside its root, links included."""
+    root = Path(index.root)
+    if index.root:
+        check_links(root, follow_symlinks=follow_symlinks)
+    for rel in sorted({*index.files, *(c.file for e in index.entries for c in e.chunks)}):
+        inside(root, rel, what=f"{root}: the {index.format} checkpoint's file list")
 
 
 def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, zero_stage: int | None = None,
@@ -80,18 +107,21 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
             tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
             arch: str | None = None, model_config: Mapping[str, Any] | None = None, dry_run: bool = False,
             map_fn: MapFn | None = None,
-            trust_checkpoint: bool = False,
+            trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
             expect_dp: int | None = None, expect_stage: int | None = None, expect_tp: int | None = None,
             expect_pp: int | None = None, expect_ep: int | None = None) -> ConversionOutcome:
-    """Read `src`, plan for the target, and (unless dry_run) write `dst` atomically with a manifest."""
-    if Path(dst).resolve() == Path(src).resolve():
-        raise PlanError(f"destination {dst} is the source; choose another directory")
+    """Read `src`, plan for the target, and (unless dry_run) write `dst` atomically with a manifest.
+
+    `dst` may neither be the source nor lie inside it (nor contain it); `existing` says what to do with an
+    earlier conversion's output there (refuse, resume an unfinished one, overwrite)."""
+    check_disjoint(src, dst)
     index = read_index(src, trust_checkpoint=trust_checkpoint, expect_dp=expect_dp, expect_stage=expect_stage,
-                       expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep)
+                       expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep, follow_symlinks=follow_symlinks)
+    check_disjoint(index.root, dst)
     plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
                                    arch=arch, model_config=model_config)
+    check_destination(Path(dst), existing)
     if dry_run:
-        check_destination(Path(dst))
         return ConversionOutcome(plan=plan, result=None)
     return ConversionOutcome(plan=plan, result=execute(plan, writer, dst, map_fn=map_fn,
-                                                       trust_checkpoint=trust_checkpoint))
+                                                       trust_checkpoint=trust_checkpoint, existing=existing))

@@ -25,3 +25,7 @@ class DestinationError(CheckpointError):
 
 class UntrustedCheckpointError(CheckpointError):
     """A pickle in the checkpoint needs a class outside the allow-list (pass trust_checkpoint to load it)."""
+
+
+class OtherPlanError(DestinationError):
+    """The destination holds an unfinished conversion of another plan (it cannot be resumed, only replaced)."""

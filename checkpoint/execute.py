@@ -15,9 +15,12 @@ Call sequence (coordinator = the caller of `execute`):
    CRCs; any other file is read back once for its CRC;
 3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
    DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
-   (files, sizes, CRC-32) last, fsynced: the commit point.
-On any error the coordinator removes what it wrote, so nothing that looks complete is left; the
-source is only ever opened read-only.
+   (files, sizes, CRC-32), then the files a loader starts from (`TargetSpec.commit`: DeepSpeed's
+   `latest`, DCP's `.metadata`, ...), each fsynced, and remove the in-progress marker
+   (`checkpoint.destination`): the commit point.
+On any error the coordinator removes what it wrote, so nothing that looks complete is left; a crash
+(kill -9) leaves the marker, which our readers refuse and `Existing.RESUME` finishes. The source is
+only ever opened read-only.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ import numpy
 import torch
 
 from checkpoint import safe_load
-from checkpoint.errors import CheckpointError, CheckpointFormatError, DestinationError
+from checkpoint.destination import (INCOMPLETE, MANIFEST, CommitFile, Existing, check_state, close_destination,
+                                    fsync_dir, journal, open_destination)
+from checkpoint.errors import CheckpointError, CheckpointFormatError, DestinationError, UntrustedCheckpointError
 from checkpoint.index import KeyPath
+from checkpoint.paths import inside
 from checkpoint.plan import ConversionPlan, CopyItem, TargetFile
 
 try:  # ISA-L's CRC-32 (carry-less multiply, ~10 GB/s, GIL released); zlib's gives the same values, slower
@@ -56,7 +62,6 @@ try:  # ISA-L's CRC-32 (carry-less multiply, ~10 GB/s, GIL released); zlib's giv
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the same function
     from zlib import crc32 as _crc32
 
-MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2  # 2: a CRC-32 per file (1: sha256; verify_manifest checks either)
 
 
@@ -108,6 +113,7 @@ class ExecutionResult:
     destination: str
     files: tuple[FileRecord, ...]
     seconds: float
+    resumed: int = 0  # files an unfinished earlier run had completed, kept (Existing.RESUME)
 
     @property
     def nbytes(self) -> int:
@@ -125,43 +131,28 @@ def resolve_key(obj: Any, key: KeyPath, *, file: str) -> Any:
     return cur
 
 
-class _FileView(io.RawIOBase):
-    """A read-only, seekable window [offset, offset + length) of an open file (for torch.load)."""
-
-    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
-        super().__init__()
-        self.f, self.start, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: pos, io.SEEK_CUR: self.pos + pos, io.SEEK_END: self.length + pos}[whence]
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        n = max(0, min(len(buf), self.length - self.pos))
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(memoryview(buf)[:n])
-        self.pos += got or 0
-        return got or 0
-
-
-def load_range(path: Path, offset: int, length: int) -> Any:
-    """torch.load(weights_only=True) of the object saved at bytes [offset, offset + length) of `path`."""
+def load_range(path: Path, offset: int, length: int, *, trust_checkpoint: bool = False) -> Any:
+    """The object torch.save'd at bytes [offset, offset + length) of `path`, loaded with weights_only=True
+    and the allow-list (`safe_load`); a global outside it raises UntrustedCheckpointError naming the file
+    and the global, unless trust_checkpoint."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if offset + length > size:
             raise CheckpointFormatError(f"{path}: needs bytes [{offset}, {offset + length}) but the file has {size} "
                                         f"(truncated?)")
+    needed = safe_load.range_globals(path, offset, length)
+    refused = sorted(n for n in needed if n not in safe_load.ALLOWED_GLOBALS)
+    if refused and not trust_checkpoint:
+        raise UntrustedCheckpointError(f"{path}: the object at bytes [{offset}, {offset + length}) needs "
+                                       f"{', '.join(refused)} (not in the allow-list of classes that DeepSpeed/"
+                                       f"Megatron store); pass trust_checkpoint / --trust-checkpoint if you trust "
+                                       f"this file")
+    with open(path, "rb") as f:
         try:
-            return torch.load(io.BufferedReader(_FileView(f, offset, length)), map_location="cpu", weights_only=True)
+            if refused:
+                return torch.load(safe_load.window(f, offset, length), map_location="cpu", weights_only=False)
+            with safe_load.allowing(needed):
+                return torch.load(safe_load.window(f, offset, length), map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
             raise CheckpointFormatError(f"{path}: bytes [{offset}, {offset + length}) unreadable: {err}") from err
 
@@ -305,14 +296,6 @@ def copy_item(item: CopyItem, src: torch.Tensor, dst: torch.Tensor, *, src_where
     dview.copy_(sview)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _CHECKSUM_BLOCK = 4 << 20  # bytes read per CRC step: fixed memory, whatever the file
 
 
@@ -392,7 +375,7 @@ def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileReco
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
@@ -409,6 +392,14 @@ def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: 
     `in_place` or `streaming` writer: one tensor). `hash_file=False` leaves `crc32` empty for the
     caller to fill.
     """
+    rec = _write_file(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
+    if hash_file:
+        journal(Path(dest_root), {"path": rec.path, "bytes": rec.nbytes, "crc32": rec.crc32, "extra": rec.extra})
+    return rec
+
+
+def _write_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
+                meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool) -> FileRecord:
     if getattr(writer, "in_place", False) and file.buffers:
         return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
     if getattr(writer, "streaming", False):
@@ -813,7 +804,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
             os.fsync(out.fileno())
         del sources
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
@@ -829,6 +820,17 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
 IO_THREADS = 2  # target files written at once by the default map (each holds at most one tensor)
 
 
+def _gather(pool: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Results of fn(*a) for every a, submitted to `pool`, in order; on the first error the rest are cancelled."""
+    futures = [pool.submit(fn, *a) for a in args]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+
+
 def in_threads(threads: int = IO_THREADS) -> MapFn:
     """The default map: target files written by `threads` threads of this process. Kernel copies,
     reads, CRCs and fsync release the GIL, so one file's fsync overlaps the next file's copies."""
@@ -837,60 +839,105 @@ def in_threads(threads: int = IO_THREADS) -> MapFn:
         if threads <= 1 or len(args) <= 1:
             return [fn(*a) for a in args]
         with ThreadPoolExecutor(max_workers=min(threads, len(args))) as pool:
-            futures = [pool.submit(fn, *a) for a in args]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+            return _gather(pool, fn, args)
 
     return run
 
 
+def _die_with_parent(parent: int) -> None:
+    """Process-pool initializer: SIGKILL this worker when its coordinator dies (Linux PR_SET_PDEATHSIG), and
+    exit at once if it is already gone, so no worker writes on after a killed conversion."""
+    import signal
+
+    prctl = getattr(_libc, "prctl", None)
+    if prctl is not None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def local_map(workers: int) -> MapFn:
-    """A map over argument tuples: inline for 1 worker, else a spawned process pool."""
+    """A map over argument tuples: inline for 1 worker, else a spawned process pool whose workers die
+    with the calling process."""
 
     def run(fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
         if workers <= 1 or len(args) <= 1:
             return [fn(*a) for a in args]
-        with ProcessPoolExecutor(max_workers=min(workers, len(args)), mp_context=get_context("spawn")) as pool:
-            return [f.result() for f in [pool.submit(fn, *a) for a in args]]
+        with ProcessPoolExecutor(max_workers=min(workers, len(args)), mp_context=get_context("spawn"),
+                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+            return _gather(pool, fn, args)
 
     return run
 
 
-def check_destination(dest: Path) -> None:
-    """The destination must be absent or an empty directory."""
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise DestinationError(f"destination {dest} exists and is not empty; choose a new or empty directory")
+def check_destination(dest: Path, existing: Existing = Existing.REFUSE) -> None:
+    """The destination must be absent or empty, or (RESUME/OVERWRITE) hold a conversion of ours; raises
+    DestinationError naming its state and the option that would proceed (nothing is written)."""
+    check_state(dest, existing)
+
+
+def plan_id(plan: ConversionPlan, writer: Writer) -> str:
+    """A fingerprint of the conversion: the source files (paths, sizes, mtimes), the target files with their
+    buffers, the commit files, the target's meta and the writer. Equal ids write equal files."""
+    h = hashlib.sha256()
+    root = Path(plan.source.root)
+    for rel in sorted(plan.source.files):
+        try:
+            st = (root / rel).stat()
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{rel}\0missing\n".encode())
+    h.update(repr((plan.source.root, plan.source.format, plan.target.index.format, type(writer).__qualname__,
+                   plan.target.commit, len(plan.items))).encode())
+    for f in plan.target.files:
+        h.update(repr(f).encode())
+    h.update(repr(sorted(plan.target.index.meta.items(), key=lambda kv: kv[0])).encode())
+    return h.hexdigest()
 
 
 def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: MapFn | None = None,
-            trust_checkpoint: bool = False) -> ExecutionResult:
-    """Run `plan` into `dest` (absent or empty); the manifest written last commits the checkpoint."""
+            trust_checkpoint: bool = False, existing: Existing = Existing.REFUSE) -> ExecutionResult:
+    """Run `plan` into `dest` (absent or empty; `existing` says what to do with an earlier conversion's
+    output); the manifest, the commit files and the removal of the marker, last, commit the checkpoint."""
     dest = Path(dest)
-    check_destination(dest)
     created = not dest.exists()
     start = time.perf_counter()
+    commit = frozenset(plan.target.commit)
+    plan_files = frozenset(f.path for f in plan.target.files if f.path not in commit)
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DestinationError(f"cannot create destination {dest}: {err}") from err
+    try:
+        kept = open_destination(dest, plan_id(plan, writer), existing, plan_files=plan_files, source=plan.source.root)
+    except BaseException:
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
     by_file = plan.items_by_file()
     meta = plan.target.index.meta
     jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, meta, trust_checkpoint)
-            for f in plan.target.files]
+            for f in plan.target.files if f.path in plan_files and f.path not in kept]
     try:
         # two files at once only where a worker holds one tensor, not a whole file (in-place/streaming writers)
         bounded = getattr(writer, "in_place", False) or getattr(writer, "streaming", False)
-        records = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
+        written = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
+        by_path = {r.path: r for r in written} | {
+            p: FileRecord(path=p, nbytes=int(r["bytes"]), crc32=str(r["crc32"]), extra=r.get("extra"))
+            for p, r in kept.items()}
+        records = [by_path[f.path] for f in plan.target.files if f.path in by_path]
+        commit_files = [CommitFile(path=f.path, data=_commit_bytes(writer.assemble(f, {}, meta), f.path))
+                        for f in plan.target.files if f.path in commit]
         finalize = getattr(writer, "finalize", None)
         if finalize is not None:
             for rel, payload in finalize(records, meta).items():
+                if rel in commit:
+                    commit_files.append(CommitFile(path=rel, data=_commit_bytes(payload, rel)))
+                    continue
                 rec = write_atomic(dest / rel, payload)
                 records.append(FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32))
         records = [FileRecord(path=r.path, nbytes=r.nbytes, crc32=r.crc32) for r in records]
+        records += [FileRecord(path=c.path, nbytes=len(c.data), crc32=f"{_crc32(c.data):08x}") for c in commit_files]
         manifest = {
             "version": MANIFEST_VERSION,
             "format": plan.target.index.format,
@@ -898,10 +945,23 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
             "files": {r.path: {"bytes": r.nbytes, "crc32": r.crc32} for r in records},
         }
         write_atomic(dest / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        for c in commit_files:  # what a loader starts from, once everything it points at is on disk
+            write_atomic(dest / c.path, c.data, checksum=False)
+        close_destination(dest)
     except BaseException:
         _remove_partial(dest, created)
         raise
-    return ExecutionResult(destination=str(dest), files=tuple(records), seconds=time.perf_counter() - start)
+    return ExecutionResult(destination=str(dest), files=tuple(records), seconds=time.perf_counter() - start,
+                           resumed=len(kept))
+
+
+def _commit_bytes(payload: Any, path: str) -> bytes:
+    if isinstance(payload, str):
+        return payload.encode()
+    if isinstance(payload, (bytes, bytearray)):
+        return bytes(payload)
+    raise CheckpointError(f"{path}: a commit file (what a loader starts from) must be assembled as bytes or text, "
+                          f"got {type(payload).__name__}")
 
 
 def _remove_partial(dest: Path, created: bool) -> None:
@@ -921,8 +981,20 @@ def verify_manifest(dest: str | Path) -> list[str]:
     except (OSError, ValueError) as err:
         return [f"{dest / MANIFEST}: unreadable ({err})"]
     problems = []
-    for rel, rec in manifest["files"].items():
-        p = dest / rel
+    if (dest / INCOMPLETE).exists():
+        problems.append(f"{dest / INCOMPLETE}: present: the conversion did not finish")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return problems + [f"{dest / MANIFEST}: holds no 'files' mapping"]
+    for rel, rec in files.items():
+        try:
+            p = inside(dest, rel, what=str(dest / MANIFEST))
+        except CheckpointFormatError as err:
+            problems.append(str(err))
+            continue
+        if not isinstance(rec, dict):
+            problems.append(f"{dest / MANIFEST}: record of {rel} is {type(rec).__name__}, not a mapping")
+            continue
         if not p.is_file():
             problems.append(f"{p}: missing")
             continue

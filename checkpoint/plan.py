@@ -49,10 +49,16 @@ class TargetFile:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetSpec:
-    """What a writer will produce: the target index (chunks point into `files`) and the files."""
+    """What a writer will produce: the target index (chunks point into `files`) and the files.
+
+    `commit`: the relative paths of the files a loader starts from (DeepSpeed's `latest`, DCP's `.metadata`,
+    Megatron's `metadata.json`), among `files` or the writer's `finalize` output; the executor writes them
+    last, after every other file and the manifest, so a crash never leaves one pointing at missing data.
+    """
 
     index: CheckpointIndex
     files: tuple[TargetFile, ...]
+    commit: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,6 +4,12 @@ The allow-list holds exactly the non-tensor classes DeepSpeed and Megatron put i
 checkpoints. A file whose pickle references anything else is refused with an error naming the
 file and the classes, unless the caller opts in with `trust_checkpoint=True`.
 
+Raw pickles that are not torch files (DCP's and Megatron's `.metadata`) go through `load_pickle`,
+an unpickler whose `find_class` admits only the allow-list given (`DCP_METADATA_GLOBALS`: DCP's
+metadata classes, torch's dtypes and sizes): torch's own `FileSystemReader.read_metadata()`, which
+unpickles with plain `pickle`, is never called. `check_pickles(root)` applies the same rules to every
+pickled file of a checkpoint tree before a framework's own loader (which unpickles freely) sees it.
+
 DeepSpeed's classes are read and written through stand-ins (`STAND_INS`: same pickled name, same
 state) so that neither reading nor writing a DeepSpeed checkpoint imports deepspeed (~0.7 s): a
 file saved with `torch.save(obj, f, pickle_module=PICKLE_MODULE)` references DeepSpeed's own
@@ -14,6 +20,8 @@ class (deepspeed imported then).
 from __future__ import annotations
 
 import importlib
+import io
+import os
 import pickle
 import threading
 import types
@@ -42,6 +50,44 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
         "megatron.core.rerun_state_machine.RerunDiagnostic",
     }
 )
+
+
+def _torch_constants() -> frozenset[str]:
+    """`torch.<name>` of every dtype, layout and memory format (pickled as module globals)."""
+    kinds = (torch.dtype, torch.layout, torch.memory_format)
+    return frozenset(f"torch.{n}" for n, v in vars(torch).items() if isinstance(v, kinds))
+
+
+# What DCP's `.metadata` (torch.distributed.checkpoint.metadata.Metadata, pickled) references, and nothing else
+DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata.Metadata",
+        "torch.distributed.checkpoint.metadata.MetadataIndex",
+        "torch.distributed.checkpoint.metadata.StorageMeta",
+        "torch.distributed.checkpoint.metadata.TensorProperties",
+        "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+        "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        # the local save plans Megatron-Core keeps in `all_local_plans` (plain dataclasses and enums)
+        "torch.distributed.checkpoint.planner.SavePlan",
+        "torch.distributed.checkpoint.planner.WriteItem",
+        "torch.distributed.checkpoint.planner.WriteItemType",
+        "torch.distributed.checkpoint.planner.TensorWriteData",
+        "torch.distributed.checkpoint.planner.LoadPlan",
+        "torch.distributed.checkpoint.planner.ReadItem",
+        "torch.distributed.checkpoint.planner.LoadItemType",
+        "torch.Size",
+        "torch.serialization._get_layout",
+        "collections.OrderedDict",
+        "pathlib.PosixPath",
+        "pathlib.PurePosixPath",
+    }
+) | _torch_constants()
+
+# Values Megatron-Core stores as ShardedObjects and copies verbatim (`_extra_state`: None, a tensor or a BytesIO)
+OBJECT_GLOBALS: frozenset[str] = ALLOWED_GLOBALS | {"_io.BytesIO"}
 
 
 # torch's safe_globals() edits one process-wide set, which get_unsafe_globals_in_checkpoint also reads:
@@ -190,7 +236,7 @@ def required_globals(path: Path) -> list[str]:
     try:
         with _SAFE_GLOBALS_LOCK:
             return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-    except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+    except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
         with open(path, "rb") as f:
             head = f.read(2)
         if head == b"\x80\x02":  # a pickle stream: torch.save's legacy (pre-1.6, non-zip) format
@@ -198,6 +244,23 @@ def required_globals(path: Path) -> list[str]:
                                         f"_use_new_zipfile_serialization=False), which is not read here; re-save it "
                                         f"with a current torch (torch.save(torch.load(f), f))") from err
         raise CheckpointFormatError(f"{path}: not a readable torch checkpoint (truncated or corrupt?): {err}") from err
+
+
+class allowing:  # noqa: N801 - used as a context manager, like torch's safe_globals
+    """Hold the lock and admit the allow-listed globals `names` for torch.load(weights_only=True)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.ctx = torch.serialization.safe_globals([_resolve(n) for n in names])
+
+    def __enter__(self) -> None:
+        _SAFE_GLOBALS_LOCK.acquire()
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.ctx.__exit__(*exc)
+        finally:
+            _SAFE_GLOBALS_LOCK.release()
 
 
 def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False) -> Any:
@@ -223,5 +286,156 @@ def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False
                 return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
             with torch.serialization.safe_globals([_resolve(n) for n in needed]):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as err:
+        except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
             raise CheckpointFormatError(f"{path}: cannot load (truncated or corrupt?): {err}") from err
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals in `allowed` and no persistent ids; anything else
+    raises UntrustedCheckpointError naming the file and the global (nothing of it is imported or run)."""
+
+    def __init__(self, f: Any, allowed: frozenset[str], where: str) -> None:
+        super().__init__(f)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full not in self.allowed:
+            raise UntrustedCheckpointError(
+                f"{self.where}: refusing to unpickle {full} (not in the allow-list of classes this file may hold); "
+                f"pass trust_checkpoint / --trust-checkpoint if you trust this file")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UntrustedCheckpointError(f"{self.where}: refusing a pickle persistent id ({str(pid)[:40]}); this file "
+                                       f"is expected to be a plain pickle")
+
+
+def load_pickle(path: str | Path, *, allowed: frozenset[str], trust_checkpoint: bool = False) -> Any:
+    """Unpickle the plain pickle file `path` resolving only the globals in `allowed` (plain `pickle`
+    with trust_checkpoint). Raises CheckpointFormatError for a missing or unreadable file and
+    UntrustedCheckpointError naming the file and the first global outside `allowed`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path}: file is missing")
+    try:
+        with open(path, "rb") as f:
+            if trust_checkpoint:
+                return pickle.load(f)  # noqa: S301 - the user vouched for this file
+            return _AllowListUnpickler(f, allowed, str(path)).load()
+    except UntrustedCheckpointError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, IndexError, TypeError,
+            ValueError, KeyError, RecursionError, MemoryError) as err:
+        raise CheckpointFormatError(f"{path}: not a readable pickle (truncated or corrupt?): "
+                                    f"{type(err).__name__}: {err}") from err
+
+
+def read_dcp_metadata(directory: str | Path, *, trust_checkpoint: bool = False) -> Any:
+    """DCP's `Metadata` from `directory/.metadata`, unpickled with `DCP_METADATA_GLOBALS` only (what
+    `FileSystemReader.read_metadata()` returns, without its plain unpickling)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(directory) / ".metadata"
+    md = load_pickle(path, allowed=DCP_METADATA_GLOBALS, trust_checkpoint=trust_checkpoint)
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) or \
+            not isinstance(getattr(md, "storage_data", None), dict):
+        raise CheckpointFormatError(f"{path}: holds {type(md).__name__}, not DCP Metadata with state_dict_metadata "
+                                    f"and storage_data")
+    return md
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a seekable read-only stream."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: pos, io.SEEK_CUR: self.pos + pos, io.SEEK_END: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n]) or 0
+        self.pos += got
+        return got
+
+
+def window(f: Any, offset: int, length: int) -> io.BufferedReader:
+    """A buffered reader over bytes [offset, offset + length) of the open binary file `f`."""
+    return io.BufferedReader(_Window(f, offset, length))
+
+
+def range_globals(path: Path, offset: int, length: int) -> list[str]:
+    """Non-default globals of the torch.save'd object at bytes [offset, offset + length) of `path`."""
+    with open(path, "rb") as f, _SAFE_GLOBALS_LOCK:
+        try:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(window(f, offset, length)))
+        except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
+            raise CheckpointFormatError(f"{path}: bytes [{offset}, {offset + length}) are no readable torch object "
+                                        f"(truncated or corrupt?): {err}") from err
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_pickles(root: str | Path, *, trust_checkpoint: bool = False) -> int:
+    """Refuse a checkpoint tree any of whose pickles a framework's own loader would unpickle beyond the
+    allow-lists: every torch zip file (`ALLOWED_GLOBALS`), every plain pickle (`.metadata`:
+    `DCP_METADATA_GLOBALS`) and every non-tensor value inside DCP `.distcp` files (`OBJECT_GLOBALS`; DCP
+    and Megatron-Core load those with `weights_only=False`). Reads pickles only, no tensor data.
+    Returns the number of pickles checked; raises UntrustedCheckpointError naming the file and the
+    classes (nothing with trust_checkpoint), CheckpointFormatError for an unreadable one."""
+    root = Path(root)
+    if trust_checkpoint:
+        return 0
+    checked = 0
+    base = root if root.is_dir() else root.parent
+    for dirpath, _, names in os.walk(base):
+        for name in sorted(names):
+            path = Path(dirpath) / name
+            if not path.is_file() or name.endswith(".distcp"):  # DCP data: its values are checked via .metadata
+                continue
+            with open(path, "rb") as f:
+                head = f.read(4)
+            if head == _ZIP_MAGIC and zipfile.is_zipfile(path) and any(
+                    n.endswith("data.pkl") for n in zipfile.ZipFile(path).namelist()):
+                refused = sorted(set(required_globals(path)) - ALLOWED_GLOBALS)
+                if refused:
+                    raise UntrustedCheckpointError(
+                        f"{path}: refusing to unpickle {', '.join(refused)} (not in the allow-list of classes that "
+                        f"DeepSpeed/Megatron store); pass trust_checkpoint / --trust-checkpoint if you trust this file")
+                checked += 1
+            elif name == ".metadata":
+                md = read_dcp_metadata(path.parent)
+                checked += 1 + _check_dcp_objects(path.parent, md)
+    return checked
+
+
+def _check_dcp_objects(directory: Path, md: Any) -> int:
+    """Check every non-tensor value of a DCP checkpoint against `OBJECT_GLOBALS`; the number checked."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    n = 0
+    for idx, info in md.storage_data.items():
+        if not isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata):
+            continue
+        path = directory / str(info.relative_path)
+        refused = sorted(set(range_globals(path, int(info.offset), int(info.length))) - OBJECT_GLOBALS)
+        if refused:
+            raise UntrustedCheckpointError(f"{path}: value {idx.fqn} needs {', '.join(refused)} (not in the allow-list); "
+                                           f"pass trust_checkpoint / --trust-checkpoint if you trust this file")
+        n += 1
+    return n

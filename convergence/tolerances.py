@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from checkpoint import bounded_yaml
 
 
 class ToleranceError(ValueError):
@@ -223,8 +223,8 @@ def load_tolerances(path: str | Path) -> Tolerances:
     """Tolerances from a YAML file; errors name the file and the key."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        data = bounded_yaml.load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, bounded_yaml.YamlInputError) as exc:
         raise ToleranceError(f"{path}: cannot read tolerances ({exc})") from exc
     return tolerances_from_mapping(data, str(path))
 

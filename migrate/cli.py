@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
+from typing import Any
 
 import click
 
@@ -14,8 +16,30 @@ from migrate import __version__
 _COMMAND_MODULES = ("validate", "run", "status", "inspect", "convert")
 
 
+class _Group(click.Group):
+    """The command group; a usage error (a bad option value, a missing argument) is one line on stderr,
+    naming the option and what was expected, with exit code 2."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = f"migrate {exc.ctx.command_path.partition(' ')[2]}".strip() if exc.ctx else "migrate"
+            click.echo(f"error: {where}: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 def _build() -> click.Group:
-    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, prog_name="migrate")
     def group() -> None:
         """Move a distributed training job to another cluster and prove nothing changed."""

@@ -18,7 +18,8 @@ def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None) -> MapFn
     """A map over argument tuples as Ray tasks on the current Ray session (see `ray_cluster.connect`).
 
     Results come back in argument order; the first task error is raised on the coordinator with the
-    task's own exception type (Ray re-raises it as a subclass).
+    task's own exception type (Ray re-raises it as a subclass), after every task still queued or running is
+    cancelled (force: its worker process is killed), so no task writes on after the conversion failed.
     """
 
     def run(fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -29,10 +30,18 @@ def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None) -> MapFn
         task = ray.remote(num_cpus=num_cpus, max_retries=0)(fn)
         limit = max_in_flight or len(args) or 1
         refs: list[Any] = []
-        for a in args:
-            if len(refs) >= limit:
-                ray.wait(refs, num_returns=len(refs) - limit + 1)
-            refs.append(task.remote(*a))
-        return ray.get(refs)
+        try:
+            for a in args:
+                if len(refs) >= limit:
+                    ray.wait(refs, num_returns=len(refs) - limit + 1)
+                refs.append(task.remote(*a))
+            return ray.get(refs)
+        except BaseException:
+            for ref in refs:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - finished or already gone
+                    pass
+            raise
 
     return run

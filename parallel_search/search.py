@@ -37,7 +37,11 @@ from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Measurement:
-    """What profiling one candidate gave: timed step seconds and peak bytes, or why it failed."""
+    """What profiling one candidate gave: timed step seconds and peak bytes, or why it failed.
+
+    `fault`: the run was lost to the infrastructure (a rank that died or hung, a killed command), not to the
+    candidate (out of memory, unsupported): such a failure is never cached, so the next search measures the
+    candidate again."""
 
     key: str
     ok: bool
@@ -46,6 +50,7 @@ class Measurement:
     reason: str | None = None
     warmup_steps: int = 0
     wall_s: float = 0.0
+    fault: bool = False
 
     def __post_init__(self) -> None:
         if self.ok and not self.step_times_s:
@@ -108,7 +113,8 @@ class ProfileCache:
 
     ``get`` returns a stored measurement with at least the requested timed steps (truncated to
     them) or a stored failure; ``put`` appends and flushes at once, so a killed search loses
-    at most the measurement in progress. ``path=None`` keeps everything in memory.
+    at most the measurement in progress. A failure by fault (`Measurement.fault`) is kept for this
+    search only, never written. ``path=None`` keeps everything in memory.
     """
 
     def __init__(self, path: str | Path | None, fingerprint: str) -> None:
@@ -124,7 +130,7 @@ class ProfileCache:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a kill: the measurement is simply redone
-                if record.get("fingerprint") != fingerprint:
+                if record.get("fingerprint") != fingerprint or record.get("measurement", {}).get("fault"):
                     continue
                 self._entries.setdefault(record["key"], []).append(Measurement.from_dict(record["measurement"]))
                 self.loaded += 1
@@ -139,7 +145,7 @@ class ProfileCache:
 
     def put(self, key: str, measurement: Measurement) -> None:
         self._entries.setdefault(key, []).append(measurement)
-        if self.path is not None:
+        if self.path is not None and not measurement.fault:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"fingerprint": self.fingerprint, "key": key,

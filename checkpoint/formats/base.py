@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.errors import PlanError
+from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import Writer
 from checkpoint.index import CheckpointIndex
 from checkpoint.plan import TargetSpec
@@ -101,3 +101,28 @@ def refuse_frozen_params(source: CheckpointIndex, target: str) -> None:
                         f"optimizer state ({names[:3]}{'...' if len(names) > 3 else ''}); the {target} writer lays "
                         f"out optimizer state for every parameter. Frozen parameters convert between deepspeed "
                         f"layouts (any dp and ZeRO stage) and to hf (weights)")
+
+
+def check_agreement(field: str, values: Mapping[str, Any]) -> None:
+    """Raise CheckpointFormatError when the files of one checkpoint disagree on `field`: `values` maps each
+    file to what it holds; the message lists each distinct value with the files holding it (the most common
+    first), so the file that came from another save is named."""
+    groups: dict[str, list[str]] = {}
+    for file, value in values.items():
+        groups.setdefault(repr(value), []).append(str(file))
+    if len(groups) <= 1:
+        return
+    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    parts = "; ".join(f"{value} in {', '.join(files[:3])}{' ...' if len(files) > 3 else ''} ({len(files)} file"
+                      f"{'s' if len(files) > 1 else ''})" for value, files in ranked)
+    raise CheckpointFormatError(f"the checkpoint's files disagree on {field}: {parts}; every file of a checkpoint "
+                                f"must come from the same save")
+
+
+def scalar(value: Any) -> Any:
+    """A stored counter as a plain number (a 1-element tensor's value), for comparing files."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value

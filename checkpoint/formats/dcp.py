@@ -1,7 +1,7 @@
 """PyTorch Distributed Checkpoint (DCP) as FSDP2/torchtitan write it: reader and writer, model + Adam state.
 
 On-disk layout (torch 2.x `FileSystemWriter`, no storage transforms): `.metadata` (a pickled
-`Metadata`, read here only through DCP's own `FileSystemReader.read_metadata()`) and one
+`Metadata`, unpickled here with DCP's metadata classes only: `safe_load.read_dcp_metadata`) and one
 `__<rank>_0.distcp` per rank holding, at byte ranges listed in `storage_data`, each chunk the
 rank saved (a `torch.save`d tensor) and each non-tensor value (a `torch.save`d object).
 State-dict layout (torchtitan / `get_model_state_dict` + `get_optimizer_state_dict`):
@@ -26,12 +26,14 @@ from typing import Any, BinaryIO
 
 import torch
 
+from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
                                      refuse_tied_embeddings)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
 FORMAT = "dcp"
@@ -61,13 +63,32 @@ def is_dcp_checkpoint(path: Path) -> bool:
     return (path / METADATA).is_file() and any(path.glob("*.distcp"))
 
 
-def _read_metadata(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+def storage_by_index(md: Any, root: Path) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """DCP's storage entries by (fqn, chunk offsets or None for a value), each storage path checked to stay
+    inside `root` (`paths.inside`) and each entry to be a plain (untransformed) torch_save record."""
+    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for idx, info in md.storage_data.items():
+        where = f"{root / METADATA}: storage of {idx.fqn}"
+        inside(root, str(info.relative_path), what=where)
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointFormatError(f"{root}: {idx.fqn} is stored with transforms {info.transform_descriptors}; "
+                                        f"only plain torch_save DCP files are supported")
+        if not isinstance(info.offset, int) or not isinstance(info.length, int) or info.offset < 0 or info.length < 0:
+            raise CheckpointFormatError(f"{where}: byte range offset={info.offset!r} length={info.length!r} is not "
+                                        f"two non-negative integers")
+        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
+    return storage
 
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
-        raise CheckpointFormatError(f"{path / METADATA}: unreadable DCP metadata (truncated or corrupt?): {err}") from err
+
+def check_data_files(md: Any, root: Path) -> list[str]:
+    """The data files `.metadata` lists (sorted); raises CheckpointFormatError naming the missing ones."""
+    files = sorted({str(info.relative_path) for info in md.storage_data.values()})
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointFormatError(f"{root}: .metadata lists data files {missing[:5]}{more} that are missing "
+                                    f"({len(missing)} of {len(files)})")
+    return files
 
 
 def _nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
@@ -89,7 +110,8 @@ def _nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return lists(root)
 
 
-def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int | None = None) -> CheckpointIndex:
+def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int | None = None,
+             trust_checkpoint: bool = False) -> CheckpointIndex:
     """Index a DCP checkpoint from `.metadata`; non-tensor values are loaded (weights_only) into meta.
 
     Chunks may be boxes in any dims (FSDP2's dim-0 pieces, DTensor TP's row/column pieces, both on
@@ -101,17 +123,9 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = Path(path)
-    md = _read_metadata(root)
-    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-    for idx, info in md.storage_data.items():
-        if info.transform_descriptors:
-            raise CheckpointFormatError(f"{root}: {idx.fqn} is stored with transforms {info.transform_descriptors}; "
-                                        f"only plain torch_save DCP files are supported")
-        storage[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = info
-    files = sorted({info.relative_path for info in storage.values()})
-    missing = [f for f in files if not (root / f).is_file()]
-    if missing:
-        raise CheckpointFormatError(f"{root}: .metadata lists data files {missing} that are missing")
+    md = safe_load.read_dcp_metadata(root, trust_checkpoint=trust_checkpoint)
+    storage = storage_by_index(md, root)
+    files = check_data_files(md, root)
     planner_data = dict(md.planner_data or {})
     entries: list[TensorEntry] = []
     values: dict[tuple[Any, ...], Any] = {}
@@ -121,7 +135,8 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
             info = storage.get((fqn, None))
             if info is None:
                 raise CheckpointFormatError(f"{root}: no storage entry for value {fqn}")
-            values[path_] = load_range(root / info.relative_path, info.offset, info.length)
+            values[path_] = load_range(root / info.relative_path, info.offset, info.length,
+                                       trust_checkpoint=trust_checkpoint)
             continue
         if not isinstance(item, TensorStorageMetadata):
             raise CheckpointFormatError(f"{root}: {fqn} has unknown metadata {type(item).__name__}")
@@ -306,7 +321,7 @@ def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
                             files=(METADATA, *(f.path for f in files)), meta=meta)
-    return TargetSpec(index=index, files=tuple(files))
+    return TargetSpec(index=index, files=tuple(files), commit=(METADATA,))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -380,7 +395,7 @@ class DCPWriter:
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
-    return read_dcp(path, expect_dp=opts.dp, expect_tp=opts.tp)
+    return read_dcp(path, expect_dp=opts.dp, expect_tp=opts.tp, trust_checkpoint=opts.trust_checkpoint)
 
 
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:

@@ -36,8 +36,10 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats.adam_step import derived_step, step_tensor
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
+from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
+                                     refuse_tied_embeddings, scalar)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import roles
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
@@ -161,15 +163,26 @@ def resolve_tag_dir(path: str | Path, tag: str | None = None) -> tuple[Path, str
     """(checkpoint root, tag) from a checkpoint directory (holding `latest`) or a tag directory."""
     path = Path(path)
     if tag is not None:
-        return path, tag
+        return path, tag_name(tag, what="tag")
     if (path / "latest").is_file():
-        return path, (path / "latest").read_text().strip()
+        try:
+            text = (path / "latest").read_bytes()[:4096].decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointFormatError(f"{path / 'latest'}: unreadable ({err}); DeepSpeed's latest holds a tag "
+                                        f"name") from err
+        tag = tag_name(text, what=str(path / "latest"))
+        if not (path / tag).is_dir():
+            raise CheckpointFormatError(f"{path / 'latest'}: names tag {tag!r}, but {path / tag} is not a directory")
+        return path, tag
     if any(path.glob("*model_states.pt")):
         return path.parent, path.name
     raise CheckpointFormatError(f"{path}: not a DeepSpeed checkpoint (no `latest` file and no *model_states.pt)")
 
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    if (path / "latest").is_file():
+        return True  # claimed by its `latest`: the reader names what is wrong with it
     try:
         root, tag = resolve_tag_dir(path)
     except CheckpointFormatError:
@@ -215,7 +228,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     stage3 = bool(z3_models)
     model_rel = model_file(tag, 3 if stage3 else 1)
     model_sd = safe_load.load(root / model_rel, mmap=True, trust_checkpoint=trust_checkpoint)
-    dp = int(model_sd["dp_world_size"])
+    dp = _model_states_dp(model_sd, root / model_rel)
     missing = [r for r in range(dp) if r not in optim_names]
     extra = sorted(r for r in optim_names if r >= dp)
     if missing or extra:
@@ -229,6 +242,10 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint was saved at dp={dp}")
     optim = [safe_load.load(tag_dir / optim_names[r], mmap=True, trust_checkpoint=trust_checkpoint)
              for r in range(dp)]
+    for r, o in enumerate(optim):
+        if not isinstance(o, Mapping) or not isinstance(o.get(OSD), Mapping):
+            raise CheckpointFormatError(f"{tag_dir / optim_names[r]}: holds no {OSD} mapping (DeepSpeed's ZeRO "
+                                        f"optimizer shard)")
     osd0 = optim[0][OSD]
     # DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 with fp32 gradient accumulation) partitions as ZeRO-1 but
     # stores no zero_stage and keeps the fp32 partitions with their alignment padding
@@ -242,6 +259,8 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
                                   f"{optim_names[0]} says zero_stage={stage}")
     if expect_stage is not None and expect_stage != stage:
         raise LayoutMismatchError(f"{root}: declared zero stage {expect_stage} but the checkpoint is stage {stage}")
+    _check_rank_files_agree(optim, [tag_dir / optim_names[r] for r in range(dp)], stage,
+                            [tag_dir / n for n in z3_models], trust_checkpoint)
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g.items()] for g in model_sd["param_shapes"]]
     module = model_sd["module"]
     buffer_names = list(model_sd.get("buffer_names", []))
@@ -292,6 +311,45 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     model_files = [f"{tag}/{n}" for n in z3_models] if stage3 else [model_rel]
     files = (*model_files, *(f"{tag}/{optim_names[r]}" for r in range(dp)))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=_plain(meta))
+
+
+def _model_states_dp(model_sd: Any, where: Path) -> int:
+    """The DP size of DeepSpeed's model states, after checking they hold what DeepSpeed's engine saves."""
+    if not isinstance(model_sd, Mapping):
+        raise CheckpointFormatError(f"{where}: holds {type(model_sd).__name__}, not DeepSpeed's model states dict")
+    missing = [k for k in ("module", "param_shapes", "dp_world_size") if k not in model_sd]
+    if missing:
+        raise CheckpointFormatError(f"{where}: DeepSpeed's model states lack {missing} (keys: {sorted(model_sd)[:12]})")
+    dp = model_sd["dp_world_size"]
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise CheckpointFormatError(f"{where}: dp_world_size is {dp!r}; expected a positive integer")
+    if not isinstance(model_sd["param_shapes"], (list, tuple)) or not all(
+            isinstance(g, Mapping) for g in model_sd["param_shapes"]):
+        raise CheckpointFormatError(f"{where}: param_shapes is {type(model_sd['param_shapes']).__name__}; expected a "
+                                    f"list of {{name: shape}} per param group")
+    return dp
+
+
+def _check_rank_files_agree(optim: Sequence[Any], optim_paths: Sequence[Path], stage: int,
+                            z3_model_paths: Sequence[Path], trust_checkpoint: bool) -> None:
+    """Every rank's optimizer file agrees on Adam's step per param group, the ZeRO stage, the partition
+    counts and the DeepSpeed version, and (ZeRO-3) every rank's model file on the step counters and the DP
+    size; a file saved at another step (e.g. copied in from an older save) is named."""
+    state_path = _optimizer_paths(stage, 0)[Kind.STEP][:-2]
+
+    def steps(r: int) -> dict[Any, Any]:
+        st = _at(optim, r, state_path)
+        return {} if st is _ABSENT or not isinstance(st, Mapping) else             {g: scalar(s.get("step")) for g, s in st.items() if isinstance(s, Mapping)}
+
+    per = {str(p): optim[r] for r, p in enumerate(optim_paths)}
+    check_agreement("Adam's step per param group", {str(p): steps(r) for r, p in enumerate(optim_paths)})
+    for field in ("zero_stage", "partition_count"):
+        check_agreement(field, {p: _plain(o[OSD].get(field)) for p, o in per.items()})
+    check_agreement("ds_version", {p: o.get("ds_version") for p, o in per.items()})
+    if z3_model_paths:
+        models = {str(p): safe_load.load(p, mmap=True, trust_checkpoint=trust_checkpoint) for p in z3_model_paths}
+        for field in ("global_steps", "global_samples", "dp_world_size", "skipped_steps"):
+            check_agreement(field, {p: m.get(field) for p, m in models.items()})
 
 
 def shared_params(model_sd: Mapping[str, Any], trainable: set[str], where: Path) -> dict[str, str]:
@@ -656,7 +714,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                          buffers=tuple(buffers[optim_file(tag, r, bf16)])) for r in range(dp)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files))
+    return TargetSpec(index=index, files=tuple(files), commit=("latest",))
 
 
 def _check_module_covered(m: Mapping[str, Any], groups: Sequence[Sequence[Param]],

@@ -27,6 +27,7 @@ from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import SAFETENSORS, StreamPayload
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
+from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
 FORMAT = "hf"
@@ -92,7 +93,11 @@ def _files(root: Path) -> list[str]:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
         except (ValueError, KeyError) as err:
             raise CheckpointFormatError(f"{root / INDEX}: no readable weight_map ({err})") from err
-        files = sorted(set(weight_map.values()))
+        if not isinstance(weight_map, dict):
+            raise CheckpointFormatError(f"{root / INDEX}: weight_map is {type(weight_map).__name__}, not a mapping")
+        files = sorted({str(f) for f in weight_map.values()})
+        for f in files:
+            inside(root, f, what=f"{root / INDEX}: weight_map")
     else:
         files = [WEIGHTS]
     missing = [f for f in files if not (root / f).is_file()]
@@ -103,7 +108,11 @@ def _files(root: Path) -> list[str]:
 
 def _architecture(root: Path, header: Mapping[str, str], names: list[str]) -> str:
     if (root / "config.json").is_file():
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        try:
+            config = json.loads((root / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointFormatError(f"{root / 'config.json'}: not valid JSON ({err})") from err
+        model_type = config.get("model_type") if isinstance(config, dict) else None
         if model_type in _HF_MODEL_TYPES:
             return _HF_MODEL_TYPES[model_type]
     if header.get(ARCH_KEY) in NAME_MAPS:

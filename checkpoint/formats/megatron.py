@@ -35,9 +35,10 @@ from typing import Any
 import torch
 
 from checkpoint import safe_load
-from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
+from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError, UntrustedCheckpointError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
+from checkpoint.formats.dcp import check_data_files, storage_by_index
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -59,22 +60,59 @@ _RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PARAM_ALIGN = 64  # Megatron-Core pads each param start in a grad buffer to 64 elements
 
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker beside the iter_* directories
+
+
+def tracker_iteration_dir(path: Path) -> Path:
+    """The `iter_*` (or `release`) directory that `path/latest_checkpointed_iteration.txt` names, as
+    Megatron-LM's `read_metadata` reads it: an iteration number or `release`; anything else raises
+    CheckpointFormatError naming the tracker file."""
+    tracker = path / TRACKER_FILE
+    try:
+        text = tracker.read_text(encoding="utf-8", errors="strict")[:64].strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(f"{tracker}: unreadable ({err})") from err
+    if text == "release":
+        return path / "release"
+    if not text.isdigit():
+        raise CheckpointFormatError(f"{tracker}: holds {text!r}; Megatron-LM's tracker holds an iteration number "
+                                    f"or 'release'")
+    return path / f"iter_{int(text):07d}"
+
+
 def resolve_iteration_dir(path: str | Path) -> Path:
     """An `iter_*` directory as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
     path = Path(path)
-    tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
-        return path / f"iter_{int(tracker.read_text().strip()):07d}"
+    if (path / TRACKER_FILE).is_file():
+        return tracker_iteration_dir(path)
     return path
 
 
-def is_megatron_checkpoint(path: str | Path) -> bool:
-    d = resolve_iteration_dir(path)
+def backend_metadata(d: Path) -> dict[str, Any] | None:
+    """Megatron-Core's `metadata.json` of checkpoint dir `d` (None when absent); raises CheckpointFormatError
+    naming the file when it is present but not a JSON object."""
+    path = d / "metadata.json"
+    if not path.is_file():
+        return None
     try:
-        return json.loads((d / "metadata.json").read_text()).get("sharded_backend") == "torch_dist" \
-            and (d / "common.pt").is_file()
-    except (OSError, ValueError):
-        return False
+        data = json.loads(path.read_bytes()[:1 << 20])
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err}); Megatron-Core writes "
+                                    f'{{"sharded_backend": "torch_dist", ...}} there') from err
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: holds {type(data).__name__}, not a JSON object with sharded_backend")
+    return data
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """Whether `path` (an iteration dir, or a save dir with the tracker) is a torch_dist checkpoint. A tracker
+    naming a missing directory, or a `metadata.json` that is not JSON, raises CheckpointFormatError naming it."""
+    given = Path(path)
+    d = resolve_iteration_dir(given)
+    if d != given and not d.is_dir():
+        raise CheckpointFormatError(f"{given / TRACKER_FILE}: names {d.name}, but {d} is not a directory")
+    backend = backend_metadata(d)
+    return backend is not None and "sharded_backend" in backend  # Megatron-Core's: read_megatron names what is off
 
 
 # ---------------------------------------------------------------- box -> canonical chunks (pure)
@@ -273,8 +311,9 @@ def _arch_from_common(common: Mapping[str, Any], root: Path) -> ArchSpec:
     return ArchSpec.from_dict(dict(model))
 
 
-def _storage(md: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
-    return {(idx.fqn, tuple(idx.offset) if idx.offset is not None else ()): info for idx, info in md.storage_data.items()}
+def _storage(md: Any, root: Path) -> dict[tuple[str, tuple[int, ...]], Any]:
+    """DCP storage entries by (fqn, offsets; () for objects), storage paths checked (`dcp.storage_by_index`)."""
+    return {(fqn, offsets or ()): info for (fqn, offsets), info in storage_by_index(md, root).items()}
 
 
 def _chunk_ref(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...], storage_offset: int) -> ChunkRef:
@@ -290,26 +329,36 @@ def read_megatron(path: str | Path, *, trust_checkpoint: bool = False, expect_tp
     Raises CheckpointFormatError naming the key/file for anything the rules do not explain, and
     LayoutMismatchError when the declared layout differs from the one in the files.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    root = resolve_iteration_dir(path)
-    if not is_megatron_checkpoint(root):
-        raise CheckpointFormatError(f"{root}: not a Megatron-Core torch_dist checkpoint (metadata.json, common.pt)")
+    given = Path(path)
+    root = resolve_iteration_dir(given)
+    if root != given and not root.is_dir():
+        raise CheckpointFormatError(f"{given / TRACKER_FILE}: names {root.name}, but {root} is not a directory")
+    backend = backend_metadata(root)
+    if not (root / "common.pt").is_file():
+        raise CheckpointFormatError(f"{root / 'common.pt'}: file is missing (a torch_dist checkpoint holds "
+                                    f"metadata.json, common.pt, .metadata and *.distcp)")
+    if backend is None or backend.get("sharded_backend") != "torch_dist":
+        raise CheckpointFormatError(f"{root / 'metadata.json'}: sharded_backend is "
+                                    f"{None if backend is None else backend.get('sharded_backend')!r}; "
+                                    f"expected 'torch_dist' (a Megatron-Core dist checkpoint)")
     common = safe_load.load(root / "common.pt", trust_checkpoint=trust_checkpoint)
-    md = FileSystemReader(str(root)).read_metadata()
+    if not isinstance(common, Mapping):
+        raise CheckpointFormatError(f"{root / 'common.pt'}: holds {type(common).__name__}, not the common state dict")
+    md = safe_load.read_dcp_metadata(root, trust_checkpoint=trust_checkpoint)
+    check_data_files(md, root)
     return index_from_metadata(md, common, root, expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep,
-                               expect_dp=expect_dp)
+                               expect_dp=expect_dp, trust_checkpoint=trust_checkpoint)
 
 
 def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expect_tp: int | None = None,
                         expect_pp: int | None = None, expect_ep: int | None = None,
-                        expect_dp: int | None = None) -> CheckpointIndex:
+                        expect_dp: int | None = None, trust_checkpoint: bool = False) -> CheckpointIndex:
     """The index of a torch_dist checkpoint from DCP `Metadata` and the `common.pt` state (pure except for
     the optimizer param-group objects, read from `root` when the metadata lists them as bytes)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     arch = _arch_from_common(common, root)
-    storage = _storage(md)
+    storage = _storage(md, root)
     rules = RULES[arch.architecture].by_key()
     tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
     vocab_key = OUTPUT_KEY if OUTPUT_KEY in tensors else "embedding.word_embeddings.weight"  # tied: one tensor
@@ -354,7 +403,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
         for key, kind, dtype, pieces_by_chunk in _dp_reshardable_pieces(tensors, arch, layout, root):
             for c, pieces in pieces_by_chunk:
                 put(kind, dtype, pieces, storage[(key, tuple(c.offsets))])
-    objects, groups = _objects(md, storage, root, common)
+    objects, groups = _objects(md, storage, root, common, trust_checkpoint)
     entries = []
     for key in sorted(acc, key=lambda k: (k.name, str(k.kind))):
         shape, dtype, chunks = acc[key]
@@ -365,7 +414,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
             "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
             "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype),
             "train_state": canonical_train_state(arch, common, groups,
-                                                 _rng_from_metadata(md, storage, root, layout))}
+                                                 _rng_from_metadata(md, storage, root, layout, trust_checkpoint))}
     files = tuple(sorted({info.relative_path for info in storage.values()} | {"common.pt", "metadata.json", ".metadata"}))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=meta)
 
@@ -466,7 +515,7 @@ RNG_OBJECT_RE = re.compile(rf"^{MEGATRON_RNG_KEY}/shard_(\d+)\.(\d+)_(\d+)\.(\d+
 
 
 def _rng_from_metadata(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: Path,
-                       layout: Mapping[str, Any]) -> dict[str, Any] | None:
+                       layout: Mapping[str, Any], trust_checkpoint: bool = False) -> dict[str, Any] | None:
     """Every saved rank's RNG state (plain data) and role from Megatron-LM's `rng_state` ShardedObjects
     (one per (pp, tp), holding one state for all DP ranks or one per DP rank); None when none was saved.
     Reads only those small objects."""
@@ -481,7 +530,8 @@ def _rng_from_metadata(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], An
         pp_rank, tp_rank, pp, tp = map(int, m.groups())
         grids.add((pp, tp))
         info = storage[(fqn, ())]
-        value = load_range(root / info.relative_path, int(info.offset), int(info.length))
+        value = load_range(root / info.relative_path, int(info.offset), int(info.length),
+                           trust_checkpoint=trust_checkpoint)
         states = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
         if not isinstance(states, list) or not states:
             raise CheckpointFormatError(f"{root}: {fqn} holds {type(states).__name__}, not a list of RNG states")
@@ -716,7 +766,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
             **target_training_state(m, layout)}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
-    return TargetSpec(index=index, files=files)
+    return TargetSpec(index=index, files=files, commit=(".metadata", "metadata.json"))
 
 
 def target_optimizer_groups(groups: list[Any], *, chained: bool) -> list[Any]:
@@ -744,9 +794,10 @@ _OPT_OBJ_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group
 
 
 def _objects(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: Path,
-             common: Mapping[str, Any]) -> tuple[list[list[Any]], list[Any]]:
-    """Model ShardedObjects (`_extra_state`) as (fqn, file, offset, length) to copy verbatim, and the
-    optimizer's non-tensor state (param groups with lr, betas, step) per chained optimizer."""
+             common: Mapping[str, Any], trust_checkpoint: bool = False) -> tuple[list[list[Any]], list[Any]]:
+    """Model ShardedObjects (`_extra_state`) as (fqn, file, offset, length) to copy verbatim (each checked
+    against `safe_load.OBJECT_GLOBALS`: Megatron-Core unpickles them freely at load), and the optimizer's
+    non-tensor state (param groups with lr, betas, step) per chained optimizer."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     objects, groups = [], {}
@@ -755,9 +806,15 @@ def _objects(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: 
             continue
         info = storage[(fqn, ())]
         if "._extra_state/" in fqn:
+            refused = sorted(set(safe_load.range_globals(root / info.relative_path, int(info.offset),
+                                                         int(info.length))) - safe_load.OBJECT_GLOBALS)
+            if refused and not trust_checkpoint:
+                raise UntrustedCheckpointError(f"{root / info.relative_path}: object {fqn} needs {', '.join(refused)} "
+                                               f"(not in the allow-list); pass --trust-checkpoint if you trust it")
             objects.append([fqn, info.relative_path, int(info.offset), int(info.length)])
         elif m := _OPT_OBJ_RE.match(fqn):
-            value = load_range(root / info.relative_path, int(info.offset), int(info.length))
+            value = load_range(root / info.relative_path, int(info.offset), int(info.length),
+                               trust_checkpoint=trust_checkpoint)
             groups[int(m.group(1) or 0)] = value[0] if isinstance(value, list) else value
     if not groups:  # fully_reshardable: the optimizer state sits in common.pt
         optim = common.get("optimizer", {})

@@ -32,7 +32,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
-from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
+from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
 from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LocalParam, bucket_layout, canonical_train_state,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
@@ -192,12 +192,14 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
     rng_objects: dict[tuple[int, int], list[dict[str, Any]]] = {}
     groups: list[Any] = []
     sharding = None
+    saved: dict[str, dict[str, Any]] = {}  # per rank file: what every rank file of one save agrees on
     for t in range(tp):
         for p in range(pp):
             for e in range(ep):
                 rel = rank_dir(tp_rank=t, pp_rank=p, ep_rank=e, pp=pp, ep=ep)
                 model_rel, optim_rel = f"{rel}/{MODEL_FILE}", f"{rel}/{OPTIM_FILE}"
                 state = head if root / model_rel == first else _load(root / model_rel, trust_checkpoint)
+                saved[str(root / model_rel)] = _save_identity(state)
                 params = _index_model(arch, state, layout, t, p, e, root / model_rel, model_rel, put)
                 if e == 0 and state.get("rng_state"):
                     rng_objects[(p, t)] = [from_megatron(st, where=f"{root / model_rel}: rng_state")
@@ -221,6 +223,8 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
                     raise CheckpointFormatError(f"{root / optim_rel}: file is missing (the DistributedOptimizer's "
                                                 f"parameter state) and {root / model_rel} holds no plain "
                                                 f"optimizer state")
+    for field in next(iter(saved.values())):
+        check_agreement(field, {f: ident[field] for f, ident in saved.items()})
     entries = []
     for key in sorted(acc, key=lambda k: (k.name, str(k.kind))):
         dtype, chunks = acc[key]
@@ -242,6 +246,24 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
             "train_state": canonical_train_state(arch, common, groups, rng)}
     files = tuple(sorted({c.file for e in entries for c in e.chunks}))
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=meta)
+
+
+_IDENTITY_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "world_size", "data_parallel_size", "consumed_train_samples",
+                  "num_layers", "hidden_size", "use_distributed_optimizer")
+
+
+def _save_identity(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What every rank file of one Megatron-LM save holds alike: iteration, checkpoint_version, the layout and
+    size args, and the optimizer's step per param group."""
+    a = vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else dict(state.get("args") or {})
+    optim = state.get("optimizer")
+    chained = optim if isinstance(optim, list) else [optim]
+    steps = [[scalar(pg.get("step")) for pg in (o.get("optimizer") or o).get("param_groups", [])]
+             for o in chained if isinstance(o, Mapping) and isinstance((o.get("optimizer") or o), Mapping)]
+    return {"iteration": state.get("iteration"), "checkpoint_version": state.get("checkpoint_version"),
+            "args (layout and sizes)": {k: a.get(k) for k in _IDENTITY_ARGS},
+            "the optimizer's step per param group": steps}
 
 
 def _plain_args(args: Any) -> dict[str, Any]:

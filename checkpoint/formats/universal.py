@@ -26,9 +26,10 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats import deepspeed as ds
-from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
-                                     refuse_tied_embeddings)
+from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
+                                     refuse_frozen_params, refuse_tied_embeddings, scalar)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.paths import inside, tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
 
@@ -50,7 +51,7 @@ def resolve_universal(path: str | Path) -> tuple[Path, str]:
     """(checkpoint root, tag) from a root holding `latest_universal` or a universal tag directory."""
     path = Path(path)
     if (path / LATEST).is_file():
-        return path, (path / LATEST).read_text().strip()
+        return path, tag_name((path / LATEST).read_bytes()[:4096].decode("utf-8", "replace"), what=str(path / LATEST))
     if (path / OPTIMIZER_STATE).is_file():
         return path.parent, path.name
     raise CheckpointFormatError(f"{path}: not a DeepSpeed universal checkpoint (no {LATEST} file and no "
@@ -65,7 +66,7 @@ def is_universal_checkpoint(path: str | Path) -> bool:
         return True
     if (path / "latest").exists() or not (path / LATEST).is_file():
         return False
-    return (path / (path / LATEST).read_text().strip() / OPTIMIZER_STATE).is_file()
+    return True  # claimed by its latest_universal: the reader names what is wrong with it
 
 
 def _model_states_file(root: Path, tag: str) -> str:
@@ -111,6 +112,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
     files = {model_rel, opt_rel}
     z3_step = opt.get(ds.OSD, {}).get("state", {}).get(0, {}).get("step") if isinstance(opt.get(ds.OSD), Mapping) \
         else None
+    steps: dict[str, Any] = {}
     for p in (p for g in groups for p in g):
         t = module.get(p.name)
         if isinstance(t, torch.Tensor) and t.numel() == p.numel and t.numel() > 0:
@@ -118,6 +120,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
                                           shape=p.shape))
         for kind, stem in STATE_FILES.items():
             rel = state_file(tag, p.name, stem)
+            inside(root, rel, what=f"{root / model_rel}: param_shapes name {p.name!r}")
             if not (root / rel).is_file():
                 raise CheckpointFormatError(f"{root / rel}: missing (param {p.name!r}, {kind})")
             obj = safe_load.load(root / rel, mmap=True, trust_checkpoint=trust_checkpoint)
@@ -142,10 +145,12 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
             continue
         if not isinstance(step, torch.Tensor):
             raise CheckpointFormatError(f"{root / ref[0]}: step is {type(step).__name__}, not a tensor")
+        steps[str(root / ref[0])] = scalar(step)
         entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.STEP), shape=tuple(step.shape),
                                    dtype=dtype_name(step.dtype),
                                    chunks=(ChunkRef(file=ref[0], key=ref[1], offsets=(0,) * step.dim(),
                                                     lengths=tuple(step.shape)),)))
+    check_agreement("Adam's step", steps)
     for e in entries:
         e.check_complete()
     hparams = [ds._hparams(pg) for pg in opt.get("param_groups", [])]
@@ -246,7 +251,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
             "universal_tag": tag}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files))
+    return TargetSpec(index=index, files=tuple(files), commit=(LATEST,))
 
 
 def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:

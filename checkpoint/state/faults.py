@@ -125,9 +125,7 @@ def _splice_objects(root: Path, replace: Mapping[str, bytes]) -> list[Path]:
     import pickle
     import shutil
 
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(str(root)).read_metadata()
+    md = safe_load.read_dcp_metadata(root)
     by_file: dict[str, list[Any]] = {}
     for idx, info in md.storage_data.items():
         by_file.setdefault(info.relative_path, []).append(idx)
@@ -169,8 +167,6 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     """`shift_data` on ours (`migrate`) in `common.pt`; `reset_rng` on every `rng_state` object."""
     import io
 
-    from torch.distributed.checkpoint import FileSystemReader
-
     from checkpoint.execute import load_range
     from checkpoint.formats.megatron import RNG_OBJECT_RE
     from checkpoint.state.rng import from_megatron, to_megatron
@@ -187,7 +183,7 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
         common[CLIENT_STATE_KEY] = shift_data(ours, batches)
         torch.save(common, root / "common.pt")
         return [root / "common.pt"]
-    md = FileSystemReader(str(root)).read_metadata()
+    md = safe_load.read_dcp_metadata(root)
     replace = {}
     for idx, info in md.storage_data.items():
         if RNG_OBJECT_RE.match(idx.fqn):

@@ -79,5 +79,11 @@ def read_metrics(path: str | Path, fmt: Format = "auto", *, policy: RestartPolic
         raise SeriesError(f"{path}: unknown format {kind!r}; choose one of {', '.join(FORMATS)}")
     if not path.exists():
         raise SeriesError(f"{path}: no such file or directory")
-    points = _READERS[kind](path)
+    try:
+        points = _READERS[kind](path)
+    except UnicodeDecodeError as exc:
+        raise SeriesError(f"{path}: not UTF-8 text ({kind} expected): byte {exc.start} is {exc.object[exc.start]:#04x}"
+                          ) from None
+    except OSError as exc:
+        raise SeriesError(f"{path}: unreadable ({exc.strerror or exc})") from None
     return run_from_points(str(path), points, policy=policy)

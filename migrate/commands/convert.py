@@ -10,22 +10,25 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
+from checkpoint import bounded_yaml
 from checkpoint.api import WRITABLE_FORMATS, convert, read_index
+from checkpoint.destination import Existing
 from checkpoint.errors import CheckpointError
 from checkpoint.execute import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+POSITIVE = click.IntRange(min=1)
 
 
 def read_model_config(path: Path) -> dict[str, Any]:
     """The model config in `path`: an HF config.json, a YAML/JSON model section, or a job YAML (its `model`)."""
     try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix == ".json" else bounded_yaml.load(text)
+    except (OSError, ValueError) as exc:  # bounded_yaml.YamlInputError is a ValueError
         raise click.BadParameter(f"{path}: unreadable ({exc})", param_hint="--model-config") from exc
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
@@ -39,16 +42,16 @@ def read_model_config(path: Path) -> dict[str, Any]:
 @click.argument("src", type=click.Path(path_type=Path, exists=True))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", type=click.Choice(WRITABLE_FORMATS), required=True, help="target format")
-@click.option("--dp", type=int, default=None, help="target data-parallel size (default: the source's)")
+@click.option("--dp", type=POSITIVE, default=None, help="target data-parallel size (default: the source's)")
 @click.option("--zero-stage", type=click.IntRange(1, 3), default=None, help="target ZeRO stage (default: the source's)")
-@click.option("--tp", type=int, default=None, help="target tensor-parallel size (default: the source's)")
-@click.option("--pp", type=int, default=None, help="target pipeline-parallel size (default: the source's)")
-@click.option("--ep", type=int, default=None, help="target expert-parallel size (default: the source's)")
-@click.option("--vpp", type=int, default=None,
+@click.option("--tp", type=POSITIVE, default=None, help="target tensor-parallel size (default: the source's)")
+@click.option("--pp", type=POSITIVE, default=None, help="target pipeline-parallel size (default: the source's)")
+@click.option("--ep", type=POSITIVE, default=None, help="target expert-parallel size (default: the source's)")
+@click.option("--vpp", type=POSITIVE, default=None,
               help="target virtual pipeline stages per rank (Megatron; default: the source's when pp is kept, else 1)")
 @click.option("--dry-run", is_flag=True, help="print the plan (files, bytes per target rank) without reading data")
 @click.option("--verify", is_flag=True, help="re-read the output and compare every tensor with the source")
-@click.option("--workers", type=int, default=1, show_default=True, help="local processes writing target files")
+@click.option("--workers", type=POSITIVE, default=1, show_default=True, help="local processes writing target files")
 @click.option("--ray-address", default=None,
               help="write target files as Ray tasks on this cluster ('embedded', 'auto', HOST:PORT); "
                    "default: --workers local processes")
@@ -57,10 +60,20 @@ def read_model_config(path: Path) -> dict[str, Any]:
               help="the architecture for --to megatron when the source does not record it: an HF config.json "
                    "(llama/mixtral/gpt2 keys) or a job YAML (its model section)")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
+@click.option("--follow-symlinks", is_flag=True,
+              help="read through symbolic links that lead outside the source checkpoint (refused by default)")
+@click.option("--resume", "resume", is_flag=True,
+              help="finish an unfinished conversion into DST (one that crashed), keeping the files it completed")
+@click.option("--overwrite", is_flag=True, help="replace an earlier conversion's output in DST (finished or not)")
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
             ep: int | None, vpp: int | None,
             dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
-            model_config: Path | None, trust_checkpoint: bool) -> None:
+            model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
+            overwrite: bool) -> None:
+    if resume and overwrite:
+        raise click.UsageError("--resume and --overwrite exclude each other: finish the earlier conversion or "
+                               "replace it")
+    existing = Existing.RESUME if resume else Existing.OVERWRITE if overwrite else Existing.REFUSE
     config = None if model_config is None else read_model_config(model_config)
     with ExitStack() as stack:
         map_fn = local_map(workers)
@@ -72,7 +85,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             map_fn = ray_map(max_in_flight=max(workers, 1))
         try:
             outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
-                              model_config=config, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint)
+                              model_config=config, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
+                              follow_symlinks=follow_symlinks, existing=existing)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -80,7 +94,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     if outcome.result is None:
         return
     r = outcome.result
-    click.echo(f"wrote {len(r.files)} files, {r.nbytes / 2**20:.2f} MiB in {r.seconds:.2f} s to {dst}")
+    kept = f" ({r.resumed} kept from the unfinished run)" if r.resumed else ""
+    click.echo(f"wrote {len(r.files)} files{kept}, {r.nbytes / 2**20:.2f} MiB in {r.seconds:.2f} s to {dst}")
     if verify:
         problems = compare_indexes(outcome.plan.source, read_index(dst))
         for p in problems:

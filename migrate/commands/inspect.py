@@ -74,9 +74,11 @@ def _tied_and_frozen_lines(info: dict[str, Any]) -> list[str]:
 @click.argument("ckpt", type=click.Path(path_type=Path, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
-def command(ckpt: Path, as_json: bool, trust_checkpoint: bool) -> None:
+@click.option("--follow-symlinks", is_flag=True,
+              help="read through symbolic links that lead outside the checkpoint (refused by default)")
+def command(ckpt: Path, as_json: bool, trust_checkpoint: bool, follow_symlinks: bool) -> None:
     try:
-        info = describe(read_index(ckpt, trust_checkpoint=trust_checkpoint))
+        info = describe(read_index(ckpt, trust_checkpoint=trust_checkpoint, follow_symlinks=follow_symlinks))
     except CheckpointError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)

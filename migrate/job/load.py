@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from checkpoint import bounded_yaml
 from migrate.job.schema import JobSpec
 
 
@@ -36,6 +36,9 @@ class JobError(ValueError):
     def __init__(self, path: Path | str, problems: list[Problem]):
         self.path = Path(path)
         self.problems = tuple(problems)
+        if len(self.problems) == 1:  # one line: the file, the field, what is wrong
+            super().__init__(f"{self.path}: {self.problems[0]} (nothing was run)")
+            return
         body = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{self.path}: {len(self.problems)} problem(s), nothing was run:\n{body}")
 
@@ -63,28 +66,6 @@ class Job:
         data = self.spec.model_dump(mode="json")
         chosen = {name: data[name] for name in sections}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            first = seen[key].start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None,
-                f"key {key!r} is given twice (first at line {first.line + 1})",
-                key_node.start_mark,
-            )
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -172,18 +153,18 @@ def load_job(path: Path | str) -> Job:
     """Read and validate a job file; raise ``JobError`` naming every problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        if path.is_file() and path.stat().st_size > bounded_yaml.MAX_BYTES:
+            raise JobError(path, [Problem("", f"{path.stat().st_size} bytes, over the limit of "
+                                              f"{bounded_yaml.MAX_BYTES} for a job file")])
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise JobError(path, [Problem("", "file not found")]) from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
         raise JobError(path, [Problem("", f"not a readable YAML text file: {exc}")]) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise JobError(path, [Problem("", f"invalid YAML at {where}{problem}")]) from None
+        data = bounded_yaml.load(text)
+    except bounded_yaml.YamlInputError as exc:
+        raise JobError(path, [Problem("", str(exc))]) from None
     if data is None:
         raise JobError(path, [Problem("", "the file is empty")])
     return parse_job(data, path)

@@ -15,6 +15,30 @@ from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, nod
 from migrate.runtime.worker_group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
 
 _CLOSE_WAIT_S = 5.0
+# A rank that lost a peer raises at once (Gloo/NCCL/HCCL), while Ray reports the peer's death a moment later:
+# after such an error the others are waited for this long, so the rank that died is named, not the bystander.
+PEER_LOSS_GRACE_S = 10.0
+_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "recvbytes", "connectfullmesh", "socket closed", "end of file", "remote process exited",
+              "ncclremoteerror", "hccl", "timeout waiting for")
+
+
+def _peer_loss(text: str) -> bool:
+    lowered = text.lower()
+    return any(marker in lowered for marker in _PEER_LOSS)
+
+
+def _gone(pid: int | None, host: str) -> bool:
+    """Whether the rank process `pid` on this host no longer runs (False when it runs elsewhere or is unknown)."""
+    if pid is None or host != hostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class _RankActor:
@@ -61,6 +85,7 @@ class RayWorkerGroup:
         self._pgs = []
         self._actors: list[Any] = []
         self._contexts: list[RankContext] = []
+        self._pids: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
         bundle = _bundle(spec)
         try:
             for node_rank in range(spec.num_nodes):
@@ -94,6 +119,7 @@ class RayWorkerGroup:
             infos = self._gather([a.node_info.remote() for a in self._actors], "starting rank actors", spec.timeout_s, raw=True)
             master_addr, _, master_port, _ = infos[0]
             for rank, (addr, host, _, pid) in enumerate(infos):
+                self._pids[rank] = (pid, host)
                 node_rank, local_rank = rank_layout(spec, rank)
                 self._contexts.append(
                     RankContext(
@@ -148,7 +174,7 @@ class RayWorkerGroup:
                     continue
                 except ray.exceptions.RayTaskError as exc:
                     failures.append(RankFailure(rank, self._node(rank), "exception", str(exc)))
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    deadline = min(deadline, time.monotonic() + self._grace(str(exc)))
                     continue
                 if raw:
                     values[rank] = value
@@ -156,10 +182,13 @@ class RayWorkerGroup:
                     values[rank] = value.value
                 else:
                     failures.append(RankFailure(rank, self._node(rank), "exception", value.error.strip()))
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    deadline = min(deadline, time.monotonic() + self._grace(value.error))
         for ref in pending:
             rank = index[ref]
-            if failures:
+            pid, host = self._pids.get(rank, (None, ""))
+            if _gone(pid, host):
+                failures.append(RankFailure(rank, self._node(rank), "died", f"pid {pid} is gone (killed?) during {what}"))
+            elif failures:
                 failures.append(RankFailure(rank, self._node(rank), "aborted", f"stopped after rank(s) {[f.rank for f in failures]} failed"))
             else:
                 failures.append(RankFailure(rank, self._node(rank), "timeout", f"did not finish {what} within {timeout_s:.1f} s"))
@@ -167,6 +196,11 @@ class RayWorkerGroup:
             self.close(graceful=False)
             raise WorkerGroupError(what, failures)
         return [values[r] for r in range(len(refs))]
+
+    @staticmethod
+    def _grace(error: str) -> float:
+        """How long to wait for the other ranks after one failed: longer when it lost a peer (see PEER_LOSS_GRACE_S)."""
+        return PEER_LOSS_GRACE_S if _peer_loss(error) else FAILURE_GRACE_S
 
     def close(self, graceful: bool = True) -> None:
         """Leave the process groups (when ``graceful``), kill every actor, free the placement groups."""

@@ -1,16 +1,19 @@
 """Start an embedded Ray cluster or join an existing one.
 
 ``connect("embedded")`` starts a local cluster for this process (stopped again on
-``close``); ``connect("auto")`` or ``connect("ray://host:10001")`` joins a running one
-and leaves it running. Only ``migrate/`` uses Ray; the libraries never do.
+``close``, and by `migrate.runtime.reaper` when this process is killed, so no Ray process
+outlives the job); ``connect("auto")`` or ``connect("ray://host:10001")`` joins a running
+one and leaves it running. Only ``migrate/`` uses Ray; the libraries never do.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from migrate.runtime import reaper as _reaper
 
 
 class RayConnectionError(RuntimeError):
@@ -37,12 +40,16 @@ class RayConnection:
     address: str
     started_here: bool
     resources: Mapping[str, float]
+    reaper: _reaper.Reaper | None = field(default=None, repr=False)
 
     def close(self) -> None:
         import ray
 
         if self.started_here and ray.is_initialized():
             ray.shutdown()
+        if self.reaper is not None:  # kills what ray.shutdown() left running (agents retrying a stopped GCS)
+            self.reaper.release()
+            self.reaper = None
 
     def __enter__(self) -> "RayConnection":
         return self
@@ -74,9 +81,11 @@ def connect(address: str = "embedded", *, num_cpus: int | None = None, resources
     # driver as WorkerGroupError with the rank's traceback, progress through the stages.
     log_to_driver = os.environ.get("MIGRATE_RAY_LOG_TO_DRIVER", "0") == "1"
     kwargs: dict[str, Any] = {"namespace": "migrate", "log_to_driver": log_to_driver, "configure_logging": False}
+    reaper = _reaper.start() if address == "embedded" else None
     try:
         if address == "embedded":
             ray.init(
+                address="local",  # a new cluster of this process's own, even where RAY_ADDRESS names another
                 num_cpus=max(num_cpus or 0, os.cpu_count() or 1),
                 resources=dict(resources or {}),
                 include_dashboard=False,
@@ -86,5 +95,7 @@ def connect(address: str = "embedded", *, num_cpus: int | None = None, resources
         else:
             ray.init(address=address, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the address in the message
+        if reaper is not None:
+            reaper.release()
         raise RayConnectionError(f"could not {'start' if address == 'embedded' else 'join'} Ray at {address!r}: {exc}") from exc
-    return RayConnection(address=address, started_here=True, resources=ray.cluster_resources())
+    return RayConnection(address=address, started_here=True, resources=ray.cluster_resources(), reaper=reaper)

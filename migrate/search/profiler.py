@@ -127,6 +127,14 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.strip().splitlines()[-1] if text.strip() else ''}"[:400]
 
 
+def is_fault(exc: BaseException, reason: str) -> bool:
+    """Whether a failed run was lost to the infrastructure (a rank that died or hung) rather than to the
+    candidate: out of memory and exceptions raised by the training code are the candidate's."""
+    if reason.startswith("out of memory"):
+        return False
+    return isinstance(exc, WorkerGroupError) and any(f.kind in ("died", "timeout") for f in exc.failures)
+
+
 class WorkloadProfiler:
     """Profiles candidates with the built-in workloads on one worker group of the target.
 
@@ -154,7 +162,9 @@ class WorkloadProfiler:
             results = self._group.run(profile_rank, spec, timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failing candidate is a result, not an error
             self.close()
-            return Measurement(key=cand.key, ok=False, reason=failure_reason(exc), wall_s=time.monotonic() - began)
+            reason = failure_reason(exc)
+            return Measurement(key=cand.key, ok=False, reason=reason, wall_s=time.monotonic() - began,
+                               fault=is_fault(exc, reason))
         per_step = list(zip(*(r["step_times_s"] for r in results)))
         timed = [max(step) for step in per_step[self.warmup:]]
         if len(timed) < steps:
@@ -210,15 +220,16 @@ class CommandProfiler:
             done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             return Measurement(key=cand.key, ok=False, reason=f"command timed out after {self.timeout_s:g} s",
-                               wall_s=time.monotonic() - began)
+                               wall_s=time.monotonic() - began, fault=True)
         wall = time.monotonic() - began
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()
             last = tail[-1] if tail else ""
             reason = f"command exited {done.returncode}: {last}"[:400]
+            killed = done.returncode < 0 or done.returncode in (128 + 9, 128 + 15)  # a signal, not the candidate
             if any(m in (done.stderr or "").lower() for m in _OOM_MARKERS):
-                reason = "out of memory (measured): " + reason
-            return Measurement(key=cand.key, ok=False, reason=reason, wall_s=wall)
+                reason, killed = "out of memory (measured): " + reason, False
+            return Measurement(key=cand.key, ok=False, reason=reason, wall_s=wall, fault=killed)
         records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
         timed = [float(r["step_time_s"]) for r in records[self.warmup:]]
         if len(timed) < steps:

@@ -11,7 +11,6 @@ verification finds a difference.
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,6 +51,8 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
 
 def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.api import convert, detect_format, read_index
+    from checkpoint.destination import Existing, State, state_of
+    from checkpoint.errors import OtherPlanError
     from checkpoint.execute import local_map
     from checkpoint.plan import rank_summaries, summarize
     from checkpoint.verify import compare_indexes
@@ -64,8 +65,8 @@ def run(ctx: StageContext) -> StageOutcome:
     dp = options.dp or (target_layout.dp if target_layout else None)
     stage = options.zero_stage or (target_layout.zero_stage if target_layout and target_layout.zero_stage else None)
     dest = ctx.work_dir / "checkpoint"
-    if dest.exists():  # the stage owns this folder; a re-run rewrites it
-        shutil.rmtree(dest)
+    # the stage owns this folder: a conversion killed midway is finished, an earlier one replaced
+    existing = Existing.RESUME if state_of(dest) is State.UNFINISHED else Existing.OVERWRITE
     ray_address = job.target.ray.address
     with ExitStack() as stack:
         map_fn = local_map(options.workers)
@@ -81,12 +82,18 @@ def run(ctx: StageContext) -> StageOutcome:
         # migrate does not record: the job's model section states it (one that records another is refused).
         model_config = (job.model.model_dump() if to_format.startswith("megatron") and not from_format.startswith("megatron")
                         else None)
-        outcome = convert(src, dest, to=to_format, dp=dp, zero_stage=stage, tp=target_layout.tp,
-                          pp=target_layout.pp, ep=target_layout.ep, vpp=target_layout.vpp, map_fn=map_fn,
-                          model_config=model_config,
-                          trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
-                          expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
-                          expect_pp=source_layout.pp, expect_ep=source_layout.ep)
+        def run_conversion(existing: Existing) -> Any:
+            return convert(src, dest, to=to_format, dp=dp, zero_stage=stage, tp=target_layout.tp,
+                           pp=target_layout.pp, ep=target_layout.ep, vpp=target_layout.vpp, map_fn=map_fn,
+                           model_config=model_config, existing=existing,
+                           trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
+                           expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
+                           expect_pp=source_layout.pp, expect_ep=source_layout.ep)
+
+        try:
+            outcome = run_conversion(existing)
+        except OtherPlanError:  # killed midway, then the job changed: start over
+            outcome = run_conversion(Existing.OVERWRITE)
     result = outcome.result
     problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
     plan_text = summarize(outcome.plan)

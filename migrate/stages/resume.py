@@ -160,6 +160,7 @@ def _launch(ctx: StageContext, spec: Any, world_size: int, env: Mapping[str, str
 
 
 def run(ctx: StageContext) -> StageOutcome:
+    from checkpoint.safe_load import check_pickles
     from checkpoint.state.faults import inject_fault
     from checkpoint.state.training_state import STATE_REPORT_FILE
     from migrate.stages._target import target_layout, target_micro_batch
@@ -177,6 +178,8 @@ def run(ctx: StageContext) -> StageOutcome:
         inject_fault(broken, options.fault)
         converted = broken
     source = source_checkpoint(ctx.job, ctx.upstream)
+    for checkpoint in (source, converted):  # the frameworks' loaders unpickle freely: refuse what is not allowed
+        check_pickles(checkpoint)
     start = checkpoint_step(converted)
     steps = start + options.steps
     src_layout = side_layout(job, "baseline")

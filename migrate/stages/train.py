@@ -112,6 +112,10 @@ def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> St
     steps = options.steps or job.training.train_steps
     metrics_path = side_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
+    if options.load:  # the frameworks' loaders unpickle freely: refuse what is not on the allow-lists first
+        from checkpoint.safe_load import check_pickles
+
+        check_pickles(ctx.job.resolve(options.load))
     spec = run_spec(
         job, layout, engine=engine, steps=steps, save_dir=str(side_dir / "checkpoints"),
         load_dir=str(ctx.job.resolve(options.load)) if options.load else None,

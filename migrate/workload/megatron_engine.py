@@ -379,13 +379,13 @@ def _saved_rng_key(path: str) -> str | None:
     """The unique key of this rank's `rng_state` object when the checkpoint holds it (None when it was saved
     without RNG or for another (pp, tp) grid, which Megatron-LM ignores too: "RNG state will be ignored")."""
     from megatron.core import parallel_state as ps
-    from torch.distributed.checkpoint import FileSystemReader
 
+    from checkpoint.safe_load import read_dcp_metadata
     from checkpoint.state.rng import MEGATRON_RNG_KEY
 
     key = (f"{MEGATRON_RNG_KEY}/shard_{ps.get_pipeline_model_parallel_rank()}.{ps.get_tensor_model_parallel_rank()}_"
            f"{ps.get_pipeline_model_parallel_world_size()}.{ps.get_tensor_model_parallel_world_size()}")
-    return key if key in FileSystemReader(path).read_metadata().state_dict_metadata else None
+    return key if key in read_dcp_metadata(path).state_dict_metadata else None
 
 
 def _check_data_position(ours: dict, sampler: SamplerState, where: str) -> None:

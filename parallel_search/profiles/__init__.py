@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from checkpoint import bounded_yaml
+
 PROFILE_DIR = Path(__file__).parent
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 _NUMBERS = ("peak_tflops", "memory_gb", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps",
@@ -132,8 +134,10 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
                                "or give the path of a YAML file")
     if not path.is_file():
         raise ProfileError(f"{path}: device profile file not found")
-    with path.open(encoding="utf-8") as f:
-        data = yaml.safe_load(f)
+    try:
+        data = bounded_yaml.load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, bounded_yaml.YamlInputError) as exc:
+        raise ProfileError(f"{path}: cannot read the device profile ({exc})") from None
     return profile_from_dict(data, where=str(path))
 
 
