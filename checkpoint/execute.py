@@ -19,7 +19,8 @@ Call sequence (coordinator = the caller of `execute`):
    `latest`, DCP's `.metadata`, ...), each fsynced, and remove the in-progress marker
    (`checkpoint.destination`): the commit point.
 On any error the coordinator removes what it wrote, so nothing that looks complete is left; a crash
-(kill -9) leaves the marker, which our readers refuse and `Existing.RESUME` finishes. The source is
+(kill -9) or an interrupt (Ctrl-C) leaves the marker, which our readers refuse and `Existing.RESUME`
+finishes. The source is
 only ever opened read-only.
 """
 
@@ -948,6 +949,8 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
         for c in commit_files:  # what a loader starts from, once everything it points at is on disk
             write_atomic(dest / c.path, c.data, checksum=False)
         close_destination(dest)
+    except KeyboardInterrupt:  # as a kill would: the marker stays, `Existing.RESUME` finishes the conversion
+        raise
     except BaseException:
         _remove_partial(dest, created)
         raise

@@ -1,21 +1,21 @@
 """Per-step acceptance bands for the candidate, and where each band came from.
 
-One baseline: the fixed tolerances (``source = "fixed"``). Two or more baselines
-(seeds, or repeats of a nondeterministic run): half-width = ``factor`` x rolling max
-of the baselines' spread at that step (``"calibrated"``), never below the floors
-``min_abs`` / ``min_rel`` x |centre| (``"floor"``). Loss bands are additive; grad-norm
-bands are multiplicative (computed on log grad norm).
+The bands are the per-step test of the decision rule (:mod:`convergence.decision`) drawn as
+intervals: centre +- threshold x per-step noise scale, the threshold being the Bonferroni-corrected
+Student-t quantile for the steps compared. One baseline: fixed scales (``source = "fixed"``);
+two or more: scales from their spread (``"calibrated"``), never below the floors
+(``"floor"``). Loss bands are additive; grad-norm bands are multiplicative (log grad norm).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from convergence.series import Aligned
-from convergence.tolerances import Tolerances
+from convergence.decision import Decision, DecisionRule, NoiseModel, decide, describe, noise_model
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -50,80 +50,52 @@ class Bands:
         return i if i < len(self.steps) and int(self.steps[i]) == step else None
 
 
-def rolling_max(values: np.ndarray, window: int) -> np.ndarray:
-    """Centred rolling maximum (NaN ignored; all-NaN windows give NaN)."""
-    n = len(values)
-    if n == 0 or window <= 1:
-        return values.copy()
-    half = window // 2
-    out = np.empty(n)
-    for i in range(n):
-        chunk = values[max(0, i - half): i + half + 1]
-        finite = chunk[np.isfinite(chunk)]
-        out[i] = finite.max() if finite.size else np.nan
-    return out
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class MetricJudgement:
+    """One metric judged by the decision rule: its bands (for the checks and the plots), the noise model,
+    the residuals and each test's decision, and the rule in words."""
+
+    bands: Bands
+    model: NoiseModel
+    residual: np.ndarray
+    decisions: tuple[Decision, ...]
+    text: str
 
 
-def _center(rows: np.ndarray) -> np.ndarray:
+def _centre(rows: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         masked = np.where(np.isfinite(rows), rows, np.nan)
         valid = np.isfinite(masked).any(axis=0)
-        center = np.full(rows.shape[1], np.nan)
+        centre = np.full(rows.shape[1], np.nan)
         if valid.any():
-            center[valid] = np.nanmean(masked[:, valid], axis=0)
-    return center
+            centre[valid] = np.nanmean(masked[:, valid], axis=0)
+    return centre
 
 
-def _spread(rows: np.ndarray) -> np.ndarray:
+def judge(metric: str, steps: np.ndarray, baselines: np.ndarray, candidate: np.ndarray, rule: DecisionRule, *,
+          budget: float, fixed_step_rel: float, fixed_window_rel: float, log: bool = False) -> MetricJudgement:
+    """Judge `candidate` against `baselines` (runs x steps) on `steps` with the decision rule. `log`: compare
+    log values (grad norm: ratios), the bands then being multiplicative around the geometric mean."""
     with np.errstate(all="ignore"):
-        masked = np.where(np.isfinite(rows), rows, np.nan)
-        valid = np.isfinite(masked).sum(axis=0) >= 2
-        spread = np.full(rows.shape[1], np.nan)
-        if valid.any():
-            spread[valid] = np.nanmax(masked[:, valid], axis=0) - np.nanmin(masked[:, valid], axis=0)
-    return spread
-
-
-def loss_bands(aligned: Aligned, tol: Tolerances) -> Bands:
-    """Additive loss bands on the aligned steps."""
-    rows = aligned.baselines
-    center = _center(rows)
-    if rows.shape[0] >= 2:
-        cal = tol.calibration
-        noise = cal.factor * rolling_max(_spread(rows), cal.window)
-        floor = np.maximum(cal.min_abs, cal.min_rel * np.abs(center))
-        noise = np.where(np.isfinite(noise), noise, floor)
-        half = np.maximum(noise, floor)
-        source = tuple("calibrated" if n >= f else "floor" for n, f in zip(noise, floor))
-        rule = (f"calibrated from {rows.shape[0]} baselines: {cal.factor:g} x rolling max (window "
-                f"{cal.window}) of their spread, floor max({cal.min_abs:g}, {cal.min_rel:g} x |loss|)")
-    else:
-        half = np.maximum(tol.loss.step_abs, tol.loss.step_rel * np.abs(center))
-        source = ("fixed",) * len(center)
-        rule = f"fixed: max({tol.loss.step_abs:g}, {tol.loss.step_rel:g} x |baseline loss|) per step"
-    return Bands(metric="loss", steps=aligned.steps, center=center, lower=center - half,
-                 upper=center + half, source=source, rule=rule)
-
-
-def grad_norm_bands(aligned: Aligned, tol: Tolerances) -> Bands:
-    """Multiplicative grad-norm bands (ratio to the geometric-mean baseline)."""
+        rows = np.log(np.where(baselines > 0, baselines, np.nan)) if log else baselines
+        cand = np.log(np.where(candidate > 0, candidate, np.nan)) if log else candidate
+    centre = _centre(rows)
+    model = noise_model(rows, centre, rule, fixed_step_rel=fixed_step_rel, fixed_window_rel=fixed_window_rel,
+                        relative_to=np.ones_like(centre) if log else None)
+    residual = cand - centre
+    decisions = tuple(decide(steps, residual, model, rule, budget))
+    q = decisions[0].threshold if math.isfinite(decisions[0].threshold) else 0.0
+    half = q * model.step_scale
     with np.errstate(all="ignore"):
-        logs = np.log(np.where(aligned.baselines > 0, aligned.baselines, np.nan))
-    center_log = _center(logs)
-    center = np.exp(center_log)
-    if logs.shape[0] >= 2:
-        cal = tol.calibration
-        noise = cal.factor * rolling_max(_spread(logs), cal.window)
-        floor = np.full(len(center), np.log1p(max(cal.min_rel, 1e-12)))
-        noise = np.where(np.isfinite(noise), noise, floor)
-        half = np.maximum(noise, floor)
-        source = tuple("calibrated" if n >= f else "floor" for n, f in zip(noise, floor))
-        lower, upper = center * np.exp(-half), center * np.exp(half)
-        rule = (f"calibrated from {logs.shape[0]} baselines: ratio band exp(+-{cal.factor:g} x rolling "
-                f"max (window {cal.window}) of the spread of log grad norm), floor {cal.min_rel:g}")
+        floor = np.maximum(rule.floor_abs, rule.floor_rel * np.abs(np.ones_like(centre) if log else centre))
+    at_floor = model.step_scale <= floor * (1 + 1e-9)
+    source = tuple("fixed" if model.source == "fixed" else ("floor" if f else "calibrated") for f in at_floor)
+    text = describe(rule, model, decisions, metric, fixed_step_rel=fixed_step_rel, fixed_window_rel=fixed_window_rel,
+                    budget=budget)
+    if log:
+        bands = Bands(metric=metric, steps=steps, center=np.exp(centre), lower=np.exp(centre - half),
+                      upper=np.exp(centre + half), source=source, rule=text)
     else:
-        lower, upper = center * tol.grad_norm.ratio_low, center * tol.grad_norm.ratio_high
-        source = ("fixed",) * len(center)
-        rule = f"fixed: candidate / baseline in [{tol.grad_norm.ratio_low:g}, {tol.grad_norm.ratio_high:g}]"
-    return Bands(metric="grad_norm", steps=aligned.steps, center=center, lower=lower, upper=upper,
-                 source=source, rule=rule)
+        bands = Bands(metric=metric, steps=steps, center=centre, lower=centre - half, upper=centre + half,
+                      source=source, rule=text)
+    return MetricJudgement(bands=bands, model=model, residual=residual, decisions=decisions, text=text)

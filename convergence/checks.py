@@ -13,15 +13,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import math
+
 import numpy as np
 
-from convergence.calibration import Bands
+from convergence.calibration import Bands, MetricJudgement
+from convergence.decision import Excursion
 from convergence.series import MetricSeries
 from convergence.tolerances import Tolerances
 
 CODES: tuple[str, ...] = (
     "coverage", "nonfinite", "first_step", "resume_continuity", "loss_step", "loss_window",
-    "loss_mean", "grad_norm_band", "grad_norm_mean", "lr_mismatch", "spikes", "restart_continuity",
+    "loss_mean", "grad_norm_band", "grad_norm_window", "grad_norm_mean", "lr_mismatch", "spikes",
+    "restart_continuity",
 )
 
 
@@ -40,6 +44,15 @@ class CheckResult:
                 "reason": self.reason, "details": dict(self.details)}
 
 
+def pct(x: float) -> str:
+    """A signed relative value as a percentage that never prints as -0.000 %: tiny values in scientific form."""
+    if x == 0:
+        return "0 %"
+    if abs(x) < 1e-5:
+        return f"{x * 100:+.2e} %"
+    return f"{x * 100:+.3f} %"
+
+
 def _skip(code: str, why: str) -> CheckResult:
     return CheckResult(code=code, passed=True, skipped=True, reason=f"skipped: {why}")
 
@@ -56,27 +69,77 @@ def _steps(steps: np.ndarray, limit: int = 8) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+def _longest_gap(expected: np.ndarray, present: np.ndarray) -> tuple[int, int | None]:
+    """(length, first step) of the longest run of `expected` steps absent from `present`."""
+    missing = ~np.isin(expected, present)
+    best, start, run, first = 0, None, 0, None
+    for step, miss in zip(expected, missing):
+        if miss:
+            run, first = run + 1, first if run else int(step)
+            if run > best:
+                best, start = run, first
+        else:
+            run = 0
+    return best, start
+
+
 def check_coverage(aligned_steps: np.ndarray, candidate: MetricSeries, baselines: Sequence[MetricSeries],
-                   tol: Tolerances) -> CheckResult:
-    """Enough aligned steps, and every key step present in the candidate and all baselines."""
+                   tol: Tolerances, *, interpolated: bool = False) -> CheckResult:
+    """Enough aligned steps; the candidate logged (nearly) every step the baselines logged over the compared
+    range (from its first step to the baselines' last, or its own last with coverage.until = candidate), with
+    no hole longer than coverage.max_gap; every key step present in the candidate and all baselines."""
+    c = tol.coverage
     n = len(aligned_steps)
     missing: dict[str, list[int]] = {}
     for run in (candidate, *baselines):
-        absent = [s for s in tol.coverage.key_steps if run.value_at(s) is None]
+        absent = [s for s in c.key_steps if run.value_at(s) is None]
         if absent:
             missing[run.source or run.name] = absent
-    details = {"aligned_steps": n, "candidate_steps": len(candidate), "min_steps": tol.coverage.min_steps,
-               "missing_key_steps": missing}
-    if n < tol.coverage.min_steps:
-        span = f"{candidate.steps[0]}..{candidate.steps[-1]}" if len(candidate) else "none"
+    common = set(baselines[0].steps)
+    for b in baselines[1:]:
+        common &= set(b.steps)
+    expected = np.asarray(sorted(common), dtype=np.int64)
+    if len(candidate):
+        end = int(expected[-1]) if c.until == "baseline" and len(expected) else int(candidate.steps[-1])
+        expected = expected[(expected >= candidate.steps[0]) & (expected <= end)]
+    if interpolated:  # positions (tokens) differ between runs: judge the span, and holes by the candidate's spacing
+        lo = max(int(b.x[0]) for b in baselines)
+        hi = min(int(b.x[-1]) for b in baselines)
+        start = max(lo, int(candidate.steps[0])) if len(candidate) else lo
+        end = hi if c.until == "baseline" else (int(candidate.steps[-1]) if len(candidate) else hi)
+        covered = (min(end, int(aligned_steps[-1])) - start) if n else 0
+        fraction = covered / (end - start) if end > start else (1.0 if n else 0.0)
+        spacing = np.diff(aligned_steps)
+        typical = float(np.median(spacing)) if len(spacing) else 0.0
+        holes = np.flatnonzero(spacing > (c.max_gap + 1) * typical) if typical > 0 else np.asarray([], dtype=int)
+        gap = int(round(spacing[holes].max() / typical)) - 1 if len(holes) else 0
+        gap_at = int(aligned_steps[holes[np.argmax(spacing[holes])]]) if len(holes) else None
+        expected = aligned_steps
+    else:
+        fraction = n / len(expected) if len(expected) else 0.0
+        gap, gap_at = _longest_gap(expected, candidate.x)
+    details = {"aligned_steps": n, "candidate_steps": len(candidate), "baseline_steps_in_range": len(expected),
+               "fraction": fraction, "longest_gap": gap, "gap_at": gap_at, "min_steps": c.min_steps,
+               "missing_key_steps": missing, "until": c.until}
+    span = f"{candidate.steps[0]}..{candidate.steps[-1]}" if len(candidate) else "none"
+    rng = f"{int(expected[0])}..{int(expected[-1])}" if len(expected) else "none"
+    if n < c.min_steps:
         return CheckResult(code="coverage", passed=False, details=details, reason=(
-            f"only {n} aligned steps (candidate has {len(candidate)} steps, span {span}); "
-            f"at least {tol.coverage.min_steps} needed"))
+            f"only {n} aligned steps (candidate has {len(candidate)} steps, span {span}); at least {c.min_steps} "
+            f"needed"))
+    if fraction < c.min_fraction:
+        return CheckResult(code="coverage", passed=False, details=details, reason=(
+            f"the candidate covers {n} of the baselines' {len(expected)} steps in {rng} ({fraction:.1%} < "
+            f"{c.min_fraction:.0%}; candidate span {span}): it stopped early or lost part of its log"))
+    if gap > c.max_gap:
+        return CheckResult(code="coverage", passed=False, details=details, reason=(
+            f"the candidate's log has a hole of {gap} baseline steps from step {gap_at} (at most {c.max_gap} "
+            f"allowed)"))
     if missing:
         return CheckResult(code="coverage", passed=False, details=details,
                            reason=f"key steps missing: {missing}")
-    return CheckResult(code="coverage", passed=True, details=details,
-                       reason=f"{n} aligned steps ({n / max(1, len(candidate)):.0%} of the candidate's)")
+    return CheckResult(code="coverage", passed=True, details=details, reason=(
+        f"{n} aligned steps: {fraction:.1%} of the baselines' {len(expected)} steps in {rng}, longest hole {gap}"))
 
 
 def check_nonfinite(candidate: Sequence[MetricSeries], baselines: Sequence[Sequence[MetricSeries]],
@@ -160,32 +223,57 @@ def check_band(code: str, candidate: np.ndarray, band: Bands, allowed: int, *, l
     return CheckResult(code=code, passed=False, details=details, reason=text)
 
 
-def check_loss_window(candidate: np.ndarray, band: Bands, tol: Tolerances) -> CheckResult:
-    """Mean signed deviation over every window of ``loss.window`` aligned steps (systematic drift)."""
-    mask = _finite(candidate, band.center)
-    w = tol.loss.window
-    idx = np.flatnonzero(mask)
-    if len(idx) < w:
-        return _skip("loss_window", f"{len(idx)} finite aligned steps < window {w}")
-    dev = candidate[idx] - band.center[idx]
-    if band.calibrated:
-        limit = (band.upper[idx] - band.center[idx])
-        what = "mean calibrated half-width"
-    else:
-        limit = tol.loss.window_rel * np.abs(band.center[idx])
-        what = f"window_rel {tol.loss.window_rel:g} x |baseline|"
-    kernel = np.ones(w) / w
-    mean_dev = np.convolve(dev, kernel, mode="valid")
-    mean_lim = np.convolve(limit, kernel, mode="valid")
-    bad = np.flatnonzero(np.abs(mean_dev) > mean_lim)
-    details = {"window": w, "windows": len(mean_dev), "failing_windows": len(bad)}
-    if not len(bad):
-        return CheckResult(code="loss_window", passed=True, details=details,
-                           reason=f"all {len(mean_dev)} windows of {w} steps within {what}")
-    j = int(bad[0])
-    return CheckResult(code="loss_window", passed=False, details=details, reason=(
-        f"{len(bad)} of {len(mean_dev)} windows of {w} steps drift: steps {int(band.steps[idx[j]])}.."
-        f"{int(band.steps[idx[j + w - 1]])} mean deviation {mean_dev[j]:+.4g} beyond {mean_lim[j]:.4g} ({what})"))
+def _excursion_text(e: Excursion, unit: str, log: bool) -> str:
+    where = f"step {e.step}" if e.window == 1 else f"the {e.window} steps to {e.step}"
+    value = f"x{math.exp(e.residual):.4g} of the baseline" if log else f"{e.residual:+.4g} {unit}"
+    return f"{where}: {value} (z {e.z:+.2f}, |z| limit {e.threshold:.2f})"
+
+
+def check_steps(code: str, judgement: MetricJudgement, allowed: int, *, unit: str = "", log: bool = False
+                ) -> CheckResult:
+    """The decision rule's per-step test: no standardized residual beyond its Bonferroni-corrected threshold
+    (more than `allowed` fail it)."""
+    d = judgement.decisions[0]
+    metric = judgement.bands.metric
+    if d.skipped:
+        return _skip(code, f"{metric}: {d.skipped}")
+    details = {"checked": d.comparisons, "failures": d.failures, "allowed": allowed, "threshold_z": d.threshold,
+               "level": d.level, "failing_steps": [e.step for e in d.excursions], "band": judgement.bands.rule,
+               "band_sources": judgement.bands.provenance()}
+    head = (f"{d.failures} of {d.comparisons} {metric} steps beyond |z| {d.threshold:.2f} (false-alarm level "
+            f"{d.level:.2%} per run, Bonferroni over {d.comparisons} steps; allowed {allowed})")
+    if d.failures <= allowed:
+        return CheckResult(code=code, passed=True, details=details, reason=head)
+    first, worst = d.excursions[0], d.worst
+    text = f"{head}: first {_excursion_text(first, unit, log)}"
+    if worst is not None and worst != first:
+        text += f"; worst {_excursion_text(worst, unit, log)}"
+    return CheckResult(code=code, passed=False, details=details, reason=text)
+
+
+def check_windows(code: str, judgement: MetricJudgement, *, unit: str = "", log: bool = False) -> CheckResult:
+    """The decision rule's sustained-drift tests: the mean residual over every window of each length within
+    its threshold (Bonferroni over the independent windows of each length and over the lengths)."""
+    metric = judgement.bands.metric
+    tests = [d for d in judgement.decisions[1:] if not d.skipped]
+    skipped = [d for d in judgement.decisions[1:] if d.skipped]
+    details = {"tests": {d.test: {"comparisons": d.comparisons, "level": d.level, "threshold_z": d.threshold,
+                                  "failures": d.failures} for d in tests},
+               "skipped": {d.test: d.skipped for d in skipped}}
+    if not tests:
+        return _skip(code, f"{metric}: {'; '.join(d.skipped for d in skipped) or 'no window'}")
+    summary = ", ".join(f"{d.test.removeprefix('window')} steps ({d.comparisons} windows, |z| <= {d.threshold:.2f})"
+                        for d in tests)
+    failing = [d for d in tests if not d.passed]
+    level = sum(d.level for d in tests)
+    if not failing:
+        return CheckResult(code=code, passed=True, details=details, reason=(
+            f"no sustained {metric} drift over windows of {summary}; false-alarm level {level:.2%} per run"))
+    parts = [f"{d.failures} window position(s) of {d.test.removeprefix('window')} steps drift, first "
+             f"{_excursion_text(d.excursions[0], unit, log)}" for d in failing]
+    return CheckResult(code=code, passed=False, details=details, reason=(
+        f"sustained {metric} drift: {'; '.join(parts)} (windows of {summary}; false-alarm level {level:.2%} "
+        f"per run)"))
 
 
 def check_mean_error(code: str, candidate: np.ndarray, band: Bands, rel_tol: float, warmup: int) -> CheckResult:
@@ -197,7 +285,7 @@ def check_mean_error(code: str, candidate: np.ndarray, band: Bands, rel_tol: flo
     rel = (candidate[idx] - band.center[idx]) / np.abs(band.center[idx])
     mean = float(np.mean(rel))
     details = {"mean_rel_error": mean, "tolerance": rel_tol, "steps": len(idx), "warmup_steps": warmup}
-    text = (f"{band.metric} mean relative error {mean:+.3%} over {len(idx)} steps after {warmup} warm-up "
+    text = (f"{band.metric} mean relative error {pct(mean)} over {len(idx)} steps after {warmup} warm-up "
             f"steps (tolerance {rel_tol:.2%})")
     return CheckResult(code=code, passed=abs(mean) <= rel_tol, details=details, reason=text)
 
@@ -229,32 +317,39 @@ def spike_steps(series: MetricSeries, window: int, z: float) -> np.ndarray:
     x, y = series.x, series.y
     keep = np.isfinite(y)
     x, y = x[keep], y[keep]
-    out = []
-    for i in range(window, len(y)):
-        ref = y[i - window:i]
-        med = np.median(ref)
-        mad = 1.4826 * np.median(np.abs(ref - med))
-        scale = max(mad, 1e-12 * max(abs(med), 1.0))
-        if abs(y[i] - med) / scale > z:
-            out.append(x[i])
-    return np.asarray(out, dtype=np.int64)
+    if len(y) <= window:
+        return np.asarray([], dtype=np.int64)
+    ref = np.lib.stride_tricks.sliding_window_view(y[:-1], window)  # ref[i] = y[i : i + window], before y[i+window]
+    med = np.median(ref, axis=1)
+    mad = 1.4826 * np.median(np.abs(ref - med[:, None]), axis=1)
+    scale = np.maximum(mad, 1e-12 * np.maximum(np.abs(med), 1.0))
+    hits = np.abs(y[window:] - med) / scale > z
+    return x[window:][hits].astype(np.int64)
 
 
-def check_spikes(metric: str, candidate: MetricSeries, baselines: Sequence[MetricSeries], tol: Tolerances) -> CheckResult:
-    """Candidate spike rate against the baselines' own spike rate."""
+def check_spikes(metric: str, candidate: MetricSeries, baselines: Sequence[MetricSeries], tol: Tolerances,
+                 level: float) -> CheckResult:
+    """The candidate's spike count against the baselines' spike rate: the exact conditional test of two
+    Poisson rates (given all spikes, the candidate's share is binomial under equal rates) at `level`."""
+    from scipy import stats
+
     t = tol.spikes
     code = "spikes"
     if len(candidate) <= t.window:
         return _skip(code, f"{metric}: {len(candidate)} steps <= spike window {t.window}")
     cand = spike_steps(candidate, t.window, t.z)
-    rate = len(cand) / (len(candidate) - t.window)
-    base_rates = [len(spike_steps(b, t.window, t.z)) / max(1, len(b) - t.window) for b in baselines]
-    base = max(base_rates, default=0.0)
-    details = {"metric": metric, "candidate_spikes": [int(s) for s in cand[:50]], "candidate_rate": rate,
-               "baseline_rates": base_rates, "max_excess_rate": t.max_excess_rate}
-    text = (f"{metric}: {len(cand)} spikes (rate {rate:.2%}) vs baseline rate {base:.2%} "
-            f"(allowed excess {t.max_excess_rate:.2%}, z > {t.z:g} over a rolling median of {t.window})")
-    if rate > base + t.max_excess_rate:
+    m = len(candidate) - t.window
+    base_counts = [len(spike_steps(b, t.window, t.z)) for b in baselines]
+    base_points = sum(max(0, len(b) - t.window) for b in baselines)
+    total = len(cand) + sum(base_counts)
+    share = m / (m + base_points) if base_points else 1.0
+    p_value = float(stats.binom.sf(len(cand) - 1, total, share)) if len(cand) else 1.0
+    details = {"metric": metric, "candidate_spikes": [int(s) for s in cand[:50]], "candidate_points": m,
+               "baseline_spikes": base_counts, "baseline_points": base_points, "p_value": p_value, "level": level}
+    text = (f"{metric}: {len(cand)} spikes in {m} steps vs {sum(base_counts)} in the baselines' {base_points} "
+            f"(z > {t.z:g} over a rolling median of {t.window}); p = {p_value:.2g} for so many at equal rates "
+            f"(false-alarm level {level:.2%} per run)")
+    if p_value < level:
         return CheckResult(code=code, passed=False, details=details, reason=text + f"; spikes at {_steps(cand)}")
     return CheckResult(code=code, passed=True, details=details, reason=text)
 

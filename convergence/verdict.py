@@ -12,7 +12,7 @@ import numpy as np
 from convergence.calibration import Bands
 from convergence.checks import CheckResult
 
-VERDICT_VERSION = 1
+VERDICT_VERSION = 2  # 2: the decision rule (`rule`) and window tests
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -29,6 +29,10 @@ class Verdict:
     baseline_loss: np.ndarray | None = None
     baseline_grad_norm: np.ndarray | None = None
     tolerances: Mapping[str, Any] = field(default_factory=dict)
+    rule: tuple[str, ...] = ()
+    """The decision rule in words, one line per metric: level, comparisons, where the scales came from."""
+    alignment: tuple[str, ...] = ()
+    """How the logs were read and aligned: restarts, replayed and duplicated steps, intervals, policies."""
 
     @property
     def failed_codes(self) -> tuple[str, ...]:
@@ -53,6 +57,8 @@ class Verdict:
             "baselines": list(self.baselines),
             "align_by": self.align_by,
             "bands": bands,
+            "rule": list(self.rule),
+            "alignment": list(self.alignment),
             "checks": [c.to_dict() for c in self.checks],
             "tolerances": dict(self.tolerances),
         }

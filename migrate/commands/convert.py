@@ -90,6 +90,10 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: {dst} holds an unfinished conversion; rerun the same command with --resume "
+                       f"to finish it, or with --overwrite to start over", err=True)
+            sys.exit(130)
     click.echo(summarize(outcome.plan))
     if outcome.result is None:
         return

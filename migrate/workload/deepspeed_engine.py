@@ -108,7 +108,7 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
         if engine.global_steps != start_step:
             raise RuntimeError(f"{path}: engine.global_steps({engine.global_steps}) != client step({start_step})")
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
-    dataset = TokenDataset(seed=train.seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+    dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
     log = MetricsLog(spec.metrics_path, enabled=rank == 0)
     metrics: list[StepMetrics] = []

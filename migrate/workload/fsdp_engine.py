@@ -110,7 +110,7 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
         scheduler.load_state_dict(state["lr_scheduler"])
         sampler = SamplerState.from_state_dict(state["migrate"]["sampler"])
         start_step = int(state["migrate"]["step"])
-    dataset = TokenDataset(seed=train.seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+    dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
     log = MetricsLog(spec.metrics_path, enabled=rank == 0)
     metrics: list[StepMetrics] = []

@@ -525,7 +525,7 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
     train, model_spec = spec.train, spec.model
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     num_micro = train.grad_accumulation(dp)
-    dataset = TokenDataset(seed=train.seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+    dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
     log = MetricsLog(spec.metrics_path, enabled=ctx.rank == 0)

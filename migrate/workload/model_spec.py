@@ -132,7 +132,15 @@ class TrainSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
     seed: int = 1234
+    """Seeds the weight init, the data order and the RNG."""
     dataset_size: int = 4096
+    data_seed: int | None = None
+    """Seeds the synthetic dataset's content (None: `seed`); another `seed` with the same `data_seed` is
+    another run of the same recipe on the same data, as seed-to-seed baselines are."""
+
+    @property
+    def dataset_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
