@@ -19,7 +19,7 @@ import numpy as np
 
 from convergence.calibration import Bands, MetricJudgement
 from convergence.decision import Excursion
-from convergence.series import MetricSeries
+from convergence.series import MetricSeries, SeriesError
 from convergence.tolerances import Tolerances
 
 CODES: tuple[str, ...] = (
@@ -127,14 +127,16 @@ def check_coverage(aligned_steps: np.ndarray, candidate: MetricSeries, baselines
         return CheckResult(code="coverage", passed=False, details=details, reason=(
             f"only {n} aligned steps (candidate has {len(candidate)} steps, span {span}); at least {c.min_steps} "
             f"needed"))
-    if fraction < c.min_fraction:
-        return CheckResult(code="coverage", passed=False, details=details, reason=(
-            f"the candidate covers {n} of the baselines' {len(expected)} steps in {rng} ({fraction:.1%} < "
-            f"{c.min_fraction:.0%}; candidate span {span}): it stopped early or lost part of its log"))
+    problems = []
     if gap > c.max_gap:
-        return CheckResult(code="coverage", passed=False, details=details, reason=(
-            f"the candidate's log has a hole of {gap} baseline steps from step {gap_at} (at most {c.max_gap} "
-            f"allowed)"))
+        problems.append(f"the candidate's log has a hole of {gap} baseline steps from step {gap_at} (at most "
+                        f"{c.max_gap} allowed)")
+    if fraction < c.min_fraction:
+        problems.append(f"the candidate covers {n} of the baselines' {len(expected)} steps in {rng} ({fraction:.1%} "
+                        f"< {c.min_fraction:.0%}; candidate span {span})" + ("" if problems else
+                                                                            ": it stopped early or lost part of its log"))
+    if problems:
+        return CheckResult(code="coverage", passed=False, details=details, reason="; ".join(problems))
     if missing:
         return CheckResult(code="coverage", passed=False, details=details,
                            reason=f"key steps missing: {missing}")
@@ -144,18 +146,15 @@ def check_coverage(aligned_steps: np.ndarray, candidate: MetricSeries, baselines
 
 def check_nonfinite(candidate: Sequence[MetricSeries], baselines: Sequence[Sequence[MetricSeries]],
                     tol: Tolerances) -> CheckResult:
-    """NaN/Inf steps in the candidate's loss and grad norm beyond the worst baseline's count."""
-    def bad_steps(series: Sequence[MetricSeries]) -> np.ndarray:
-        steps: set[int] = set()
-        for s in series:
-            steps.update(int(x) for x in s.x[~np.isfinite(s.y)])
-        return np.asarray(sorted(steps), dtype=np.int64)
-
-    cand = bad_steps(candidate)
-    base = max((len(bad_steps(b)) for b in baselines), default=0)
-    allowed = base + tol.nonfinite.max_steps
+    """NaN/Inf steps in the candidate's loss and grad norm beyond `nonfinite.max_steps` (0 by default): a
+    baseline's own NaN never excuses the candidate's (a baseline with any is refused before, by the gate)."""
+    steps: set[int] = set()
+    for s in candidate:
+        steps.update(int(x) for x in s.x[~np.isfinite(s.y)])
+    cand = np.asarray(sorted(steps), dtype=np.int64)
+    allowed = tol.nonfinite.max_steps
     details: dict[str, Any] = {"candidate_nonfinite_steps": [int(s) for s in cand[:50]],
-                               "candidate_count": len(cand), "baseline_max_count": base, "allowed": allowed}
+                               "candidate_count": len(cand), "allowed": allowed}
     if len(cand) <= allowed:
         return CheckResult(code="nonfinite", passed=True, details=details,
                            reason=f"{len(cand)} non-finite steps (allowed {allowed})")
@@ -166,8 +165,16 @@ def check_nonfinite(candidate: Sequence[MetricSeries], baselines: Sequence[Seque
     kind = (f"non-finite from step {int(cand[0])} to the end ({len(after)} steps): the run diverged"
             if persistent else f"non-finite at step(s) {_steps(cand)}")
     return CheckResult(code="nonfinite", passed=False, details=details,
-                       reason=f"{kind}; {len(cand)} non-finite steps > allowed {allowed} "
-                              f"(baseline worst {base} + tolerance {tol.nonfinite.max_steps})")
+                       reason=f"{kind}; {len(cand)} non-finite steps > allowed {allowed}")
+
+
+def refuse_unhealthy_baseline(series: MetricSeries) -> None:
+    """A baseline must be healthy: NaN/Inf in its loss or gradient norm is an error naming it and the steps."""
+    bad = series.x[~np.isfinite(series.y)]
+    if len(bad):
+        raise SeriesError(f"{series.source or series.name}: the baseline's {series.name!r} is NaN/Inf at step(s) "
+                          f"{_steps(bad)} ({len(bad)} in all); a baseline must be a healthy run (drop these steps "
+                          f"or choose another baseline)")
 
 
 def _deviation_text(step: int, value: float, band: Bands, i: int) -> str:

@@ -17,10 +17,13 @@ smaller of the scales' degrees of freedom and the tail's, estimated from the kur
 standardized deviations (two or more baselines) or of one baseline's step-to-step changes.
 
 Scales (`NoiseModel`), with two or more baselines: s_t from the baselines' deviations from their mean at
-each step, pooled over `pool` steps around it (each step gives n - 1 degrees of freedom) and scaled by
-sqrt(1 + 1/n) for a candidate compared with an n-run mean; the window scale from the baselines' own W-step
-moving means of those deviations, so noise that persists over many steps (seed-to-seed differences do)
-widens the window test exactly as much as it should. Both are floored (`floor_abs`, `floor_rel`), so
+each step, pooled over `pool` steps around it (each step gives n - 1 degrees of freedom, fewer when
+neighbours correlate) and scaled by sqrt(1 + 1/n) for a candidate compared with an n-run mean; the window
+scale from the baselines' own W-step moving means of those deviations, so noise that persists over many
+steps (seed-to-seed differences do) widens the window test exactly as much as it should, and at least what
+the per-step noise gives through its lag-1 correlation (AR(1)). Where the run holds too few independent
+windows to measure persistent noise (fewer than `MIN_WINDOW_DOF` degrees of freedom), the documented
+one-baseline window scale stands in as its floor. Both are floored (`floor_abs`, `floor_rel`), so
 bit-identical baselines do not demand a bit-identical candidate. With one baseline there is no noise to
 measure: fixed relative scales stand in (`fixed_step_rel`, `fixed_window_rel`, documented defaults from
 published migration practice), and the stated rate holds only as far as they match the real noise.
@@ -144,6 +147,7 @@ def _pooled(sq: np.ndarray, width: int) -> np.ndarray:
 
 
 MIN_TAIL_POINTS = 40
+MIN_WINDOW_DOF = 8  # independent windows x (baselines - 1) below which window noise is not measured but assumed
 DEFAULT_TAIL_DOF = 8.0  # too few points to tell: moderately heavy tails, as loss noise has
 
 
@@ -195,9 +199,15 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, *
         # short-memory noise seen through the per-step scale and its lag-1 correlation (many more degrees of
         # freedom); the empirical variance of the window means wins where the noise persists longer than AR(1)
         ar = _moving_mean(np.nan_to_num(pooled, nan=0.0), w) * ar1_window_factor(phi, w)
-        var = np.maximum(np.nan_to_num(empirical, nan=0.0), ar)
+        emp = float(np.nan_to_num(empirical, nan=0.0))
+        if dof_empirical >= MIN_WINDOW_DOF:
+            var = np.maximum(emp, ar)
+            window_dof[w] = dof_empirical if np.nanmedian(ar) < emp else step_dof
+        else:  # too few windows to measure persistent noise: the documented one-baseline scale is its prior
+            prior = (fixed_window_rel * np.nan_to_num(_moving_mean(ref, w), nan=0.0)) ** 2
+            var = np.maximum(np.maximum(emp, ar), prior)
+            window_dof[w] = step_dof
         window_scales[w] = np.sqrt(np.maximum(var * inflate, floor[w - 1:] ** 2))
-        window_dof[w] = step_dof if np.nanmedian(ar) >= np.nan_to_num(empirical, nan=0.0) else dof_empirical
     with np.errstate(invalid="ignore", divide="ignore"):
         standardized = (dev / np.sqrt(np.maximum(pooled, floor ** 2) * (n - 1) / n)).ravel()
     return NoiseModel(step_scale=step_scale, window_scales=window_scales, step_dof=step_dof, window_dof=window_dof,

@@ -62,6 +62,8 @@ def evaluate(baselines: Sequence[RunMetrics], candidate: RunMetrics, tol: Tolera
     base_gn = [b.find("grad_norm", keys.grad_norm) for b in baselines]
     cand_gn = candidate.find("grad_norm", keys.grad_norm)
     have_gn = cand_gn is not None and all(g is not None for g in base_gn)
+    for series in (*base_loss, *(base_gn if have_gn else ())):
+        checks.refuse_unhealthy_baseline(series)
     raw_cand_loss = cand_loss
     if by_tokens:
         base_loss = [_rekey(b, s, keys) for b, s in zip(baselines, base_loss)]

@@ -77,7 +77,7 @@ class GradNormTolerance:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NonFiniteTolerance:
     max_steps: int = 0
-    """Candidate steps with NaN/Inf loss or grad norm tolerated beyond the baseline's count."""
+    """Candidate steps with NaN/Inf loss or grad norm tolerated (a baseline must have none)."""
 
     def __post_init__(self) -> None:
         _positive("nonfinite", max_steps=self.max_steps)

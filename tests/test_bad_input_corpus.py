@@ -163,6 +163,15 @@ def _gate_candidate(name: str, data: bytes | None) -> Callable[[Path, Path], lis
     return run
 
 
+def _nan_baseline(tmp: Path) -> list[str]:
+    base = tmp / "base.jsonl"
+    base.write_text("".join(json.dumps({"step": s, "loss": float("nan") if s == 7 else 2.0 - s / 100}) + "\n"
+                            for s in range(1, 20)))
+    cand = tmp / "cand.jsonl"
+    cand.write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n" for s in range(1, 20)))
+    return ["gate", "--baseline", str(base), "--candidate", str(cand)]
+
+
 def _model_config(text: str) -> Callable[[Path, Path], list[str]]:
     def run(src: Path, tmp: Path) -> list[str]:
         cfg = tmp / "model.yaml"
@@ -266,6 +275,11 @@ CASES = [
     Case("candidate missing", None, _gate_candidate("missing.jsonl", None), ("missing.jsonl",)),
     Case("candidate empty", None, _gate_candidate("empty.jsonl", b""), ("empty.jsonl",)),
     Case("candidate binary", None, _gate_candidate("bin.jsonl", bytes(range(256)) * 8), ("bin.jsonl",)),
+    Case("candidate loss holds text", None, _gate_candidate("text.csv", (
+        "step,loss\n" + "".join(f"{s},{2.0 - s / 100}\n" for s in range(1, 10)) + "10,oops\n").encode()),
+         ("text.csv:11", "'oops'")),
+    Case("candidate JSONL not objects", None, _gate_candidate("list.jsonl", b"[1, 2]\n[3, 4]\n"), ("list.jsonl:1",)),
+    Case("baseline with NaN", None, lambda _s, tmp: _nan_baseline(tmp), ("base.jsonl", "NaN/Inf", "healthy")),
     # model configs and command-line numbers (migrate convert)
     Case("model config alias bomb", "deepspeed", _model_config(BOMB), ("model.yaml", "alias")),
     Case("model config a list", "deepspeed", _model_config("- 1\n- 2\n"), ("model.yaml", "not a mapping")),

@@ -40,9 +40,19 @@ def step_of(record: dict, where: str) -> int:
     raise SeriesError(f"{where}: no step key (expected one of {', '.join(STEP_KEYS)}); keys are {sorted(record)}")
 
 
+def check_cells(path: Path, points: dict[str, list[tuple[int, float]]], odd: dict[str, tuple[str, object]]) -> None:
+    """A metric (a key or column with numbers) with a value that is no number is an error naming the file,
+    the row and the column; a key that never holds a number (a name, a timestamp) is no metric and ignored."""
+    for key, (where, raw) in odd.items():
+        if key in points:
+            raise SeriesError(f"{where}: {key!r} holds {raw!r}, not a number (its other rows are numbers); fix or "
+                              f"drop the row, a silently dropped step would hide a gap")
+
+
 def read_points(path: Path) -> dict[str, list[tuple[int, float]]]:
     """Raw points per metric in file order."""
     points: dict[str, list[tuple[int, float]]] = {}
+    odd: dict[str, tuple[str, object]] = {}
     with path.open("r", encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, 1):
             if not line.strip():
@@ -61,4 +71,7 @@ def read_points(path: Path) -> dict[str, list[tuple[int, float]]]:
                 value = as_float(raw)
                 if value is not None:
                     points.setdefault(key, []).append((step, value))
+                elif raw is not None and not isinstance(raw, (dict, list)):
+                    odd.setdefault(key, (f"{where} (step {step})", raw))
+    check_cells(path, points, odd)
     return points

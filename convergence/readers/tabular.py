@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from convergence.readers.jsonl import STEP_KEYS, as_float
+from convergence.readers.jsonl import STEP_KEYS, as_float, check_cells
 from convergence.series import SeriesError
 
 
 def _read_file(path: Path, points: dict[str, list[tuple[int, float]]]) -> None:
+    odd: dict[str, tuple[str, object]] = {}
     with path.open("r", encoding="utf-8", newline="") as handle:
         rows = csv.reader(handle)
         header = next(rows, None)
@@ -37,6 +38,9 @@ def _read_file(path: Path, points: dict[str, list[tuple[int, float]]]) -> None:
                 value = as_float(cell)
                 if value is not None:
                     points.setdefault(header[i], []).append((int(step), value))
+                else:
+                    odd.setdefault(header[i], (f"{path}:{lineno} (step {int(step)}, column {i + 1})", cell))
+    check_cells(path, points, odd)
 
 
 def read_points(path: Path) -> dict[str, list[tuple[int, float]]]:
