@@ -53,6 +53,13 @@ def ray_session():
         yield conn
 
 
+# Local ranks fork from one server that imported every engine's framework once (instead of 5-15 s of
+# imports per rank and launch).
+from migrate.runtime.worker_group import warm_local_ranks  # noqa: E402
+from migrate.workload.engines import engine_modules  # noqa: E402
+
+warm_local_ranks(*engine_modules("megatron"), *engine_modules("deepspeed"), *engine_modules("fsdp"))
+
 # Checkpoints written by the real engines, made once per session and shared.
 from workload_fixtures import (deepspeed_checkpoint, fsdp_checkpoint, megatron_checkpoint,  # noqa: E402,F401
                                megatron_legacy_checkpoint, workload_extensions_dir)

@@ -36,6 +36,7 @@ class WorkerGroupSpec:
     init_distributed: bool = True
     mode: Literal["ray", "local"] = "ray"
     cpus_per_rank: float = 1.0  # Ray CPU resource per rank actor
+    preload: tuple[str, ...] = ()  # modules the ranks will import: a local group's fork server imports them once
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -146,3 +147,11 @@ def start_worker_group(spec: WorkerGroupSpec) -> WorkerGroup:
     from migrate.runtime._ray import RayWorkerGroup
 
     return RayWorkerGroup(spec)
+
+
+def warm_local_ranks(*modules: str) -> None:
+    """Have local groups' ranks start with `modules` imported (by the fork server, once per driver
+    process); takes effect only before the first local group starts."""
+    from migrate.runtime._local import warm
+
+    warm(*modules)

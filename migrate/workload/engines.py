@@ -6,6 +6,18 @@ from typing import Any, Callable
 from migrate.workload.metrics import RankResult
 
 
+_ENGINE_MODULES = {
+    "deepspeed": ("deepspeed", "migrate.workload.deepspeed_engine"),
+    "megatron": ("megatron.core", "migrate.workload.megatron_engine"),
+    "fsdp": ("torch.distributed.checkpoint", "migrate.workload.fsdp_engine"),
+}
+
+
+def engine_modules(engine: str) -> tuple[str, ...]:
+    """The modules `engine`'s ranks import (for a worker group to load ahead of time)."""
+    return _ENGINE_MODULES.get(engine, ())
+
+
 def rank_entry(engine: str) -> Callable[[Any, Any], RankResult]:
     """The per-rank training function of `engine` (imported lazily: each pulls a big framework)."""
     if engine == "deepspeed":

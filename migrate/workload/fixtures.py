@@ -38,12 +38,13 @@ class TrainedCheckpoint:
 def launch(spec: RunSpec, world_size: int, timeout_s: float = 600.0) -> list[RankResult]:
     """Run a built-in engine on a fresh local Gloo worker group; per-rank results."""
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
-    from migrate.workload.engines import rank_entry
+    from migrate.workload.engines import engine_modules, rank_entry
 
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if "TORCH_EXTENSIONS_DIR" in os.environ:
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
-    group_spec = WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=timeout_s)
+    group_spec = WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=timeout_s,
+                                 preload=engine_modules(spec.engine))
     with start_worker_group(group_spec) as group:
         return group.run(rank_entry(spec.engine), spec)
 
