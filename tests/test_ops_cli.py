@@ -24,7 +24,8 @@ def test_ops_cli_operators_only(tmp_path):
 
 
 def test_ops_cli_with_the_demo_model_scans_coverage_and_drift(tmp_path):
-    result = CliRunner().invoke(ops_command, ["--dtype", "fp32", "--op", "linear", "--job", str(DEMO),
+    # `migrate ops job.yaml`, as the README writes it (`--job job.yaml` is the same)
+    result = CliRunner().invoke(ops_command, [str(DEMO), "--dtype", "fp32", "--op", "linear",
                                               "--drift-dtype", "bf16", "--report", str(tmp_path)],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -34,6 +35,14 @@ def test_ops_cli_with_the_demo_model_scans_coverage_and_drift(tmp_path):
     drift = data["drift"]
     assert drift["first_drift"] is None and drift["a"]["dtype"] == "torch.bfloat16"
     assert any(x["layer"].startswith("layers.0") for x in drift["layers"])
+
+
+def test_ops_cli_refuses_two_different_jobs(tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text(DEMO.read_text())
+    result = CliRunner().invoke(ops_command, [str(DEMO), "--job", str(other)])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: two jobs given: {DEMO} and --job {other}; give one"
 
 
 def test_ops_stage_probe_runs_on_the_worker_device():

@@ -20,6 +20,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 @click.command(name="ops")
+@click.argument("job_argument", required=False, metavar="[JOB.yaml]", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--device", default="cpu", show_default=True, help="torch device to test (cpu, cuda:0, npu:0, ...)")
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(list(DTYPES)), help="dtypes (default: all)")
 @click.option("--op", "ops", multiple=True, type=click.Choice(list(OPERATORS)), help="operators (default: all)")
@@ -28,9 +29,10 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 @click.option("--drift-dtype", type=click.Choice(list(DTYPES)), help="dtype of the drift run (default: the job's precision)")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path, file_okay=False),
               help="write ops.json and ops.md here")
-def command(device: str, dtypes: tuple[str, ...], ops: tuple[str, ...], job_file: Path | None, drift_dtype: str | None,
-            report_dir: Path | None) -> None:
-    """Forward/backward numerics of transformer operators, coverage and layer drift."""
+def command(job_argument: Path | None, device: str, dtypes: tuple[str, ...], ops: tuple[str, ...], job_file: Path | None,
+            drift_dtype: str | None, report_dir: Path | None) -> None:
+    """Forward/backward numerics of transformer operators, coverage and layer drift (of JOB.yaml's model, given
+    as the argument or with --job)."""
     import torch
 
     from convergence.ops.suite import run_suite, summary_markdown
@@ -40,6 +42,10 @@ def command(device: str, dtypes: tuple[str, ...], ops: tuple[str, ...], job_file
     except RuntimeError as exc:
         click.echo(f"error: --device {device!r}: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    if job_argument is not None and job_file is not None and job_argument != job_file:
+        click.echo(f"error: two jobs given: {job_argument} and --job {job_file}; give one", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    job_file = job_file or job_argument
     kwargs = {}
     if job_file is not None:
         from migrate.commands._common import load_or_exit
