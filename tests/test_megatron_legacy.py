@@ -12,6 +12,7 @@ second within 1e-5; broken rank files are errors that name them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -23,7 +24,9 @@ from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.megatron_legacy import RANK_DIR_RE, rank_dir
 from checkpoint.index import Kind, TensorKey
 from checkpoint.materialize import iter_tensors
+from checkpoint.state.training_state import STATE_REPORT_FILE
 from checkpoint.verify import compare_indexes
+from migrate.stages.resume import rng_decisions
 from migrate.workload.fixtures import launch
 
 GBS = 8
@@ -31,11 +34,25 @@ GBS = 8
 
 def _resume(ck, load_dir, tp: int, pp: int, dp: int, distopt: bool = True) -> list[float]:
     """Steps 3-4 from `load_dir` at (tp, pp, dp); converted checkpoints hold the DistributedOptimizer's state."""
+    return _resume_ranks(ck, load_dir, tp, pp, dp, distopt)[0].losses
+
+
+def _resume_ranks(ck, load_dir, tp: int, pp: int, dp: int, distopt: bool = True) -> list:
     spec = dataclasses.replace(ck.spec, tp=tp, pp=pp, load_dir=str(load_dir), save_dir=None, steps=4,
                                distributed_optimizer=distopt)
     results = launch(spec, tp * pp * dp)
     assert results[0].start_step == 2
-    return results[0].losses
+    return results
+
+
+def _rng_as_reported(target, results, world: int) -> None:
+    """The conversion's state report names an RNG decision for every target rank, and each rank resumes from the
+    state it names (what the resume stage checks)."""
+    report = json.loads((target / STATE_REPORT_FILE).read_text())
+    decisions = rng_decisions(report)
+    assert sorted(d["target_rank"] for d in decisions) == list(range(world)), decisions
+    got = [r.extra["rng"][0] for r in results]
+    assert [got[d["target_rank"]] for d in decisions] == [d["fingerprint"] for d in decisions]
 
 
 def _same_state(source, back) -> list[str]:
@@ -127,7 +144,9 @@ def test_convert_legacy_and_resume_at_target_layout(megatron_legacy_checkpoint, 
     back = read_index(target)
     assert back.format == fmt and (back.meta["tp"], back.meta["pp"], back.meta["dp"]) == (tp, pp, dp)
     assert _same_state(outcome.plan.source, back) == []  # weights, fp32 master, exp_avg, exp_avg_sq
-    _close(_resume(ck, target, tp, pp, dp), ck.losses[2:])
+    results = _resume_ranks(ck, target, tp, pp, dp)
+    _close(results[0].losses, ck.losses[2:])
+    _rng_as_reported(target, results, tp * pp * dp)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ with `model.load_state_dict`, `optimizer.load_state_dict`, `optimizer.load_param
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
@@ -42,6 +43,7 @@ from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.rules.megatron import ArchSpec, arch_from_config, canonical_tensors, expert_range, stage_layers
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
+from checkpoint.state.training_state import STATE_REPORT_FILE
 
 FORMAT = "megatron-legacy"
 MODEL_FILE = "model_optim_rng.pt"
@@ -486,6 +488,8 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                        chunks=tuple(c))
            for k, c in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind)))]
     state = target_training_state(m, layout)
+    if state.get("state_report"):  # what the conversion did with each training state, for the resume stage
+        files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
     iteration = int(state["common"].get("iteration") or 0)
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, "tp": tp, "pp": pp, "dp": dp,
             "ep": ep, "vpp": vpp, "chained": chained, "ranks": rank_meta,
@@ -506,6 +510,8 @@ class MegatronLegacyWriter:
     in_place = False
 
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role == "state_report":
+            return json.dumps(meta["state_report"], indent=1)
         rel = file.path.rsplit("/", 1)[0]
         rank = meta["ranks"][rel]
         if file.role == "model":

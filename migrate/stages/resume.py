@@ -1,6 +1,7 @@
 """Resume stage: the converted checkpoint trained on at the target layout, compared with the baseline.
 
-Call sequence: read the converted checkpoint's step (``convert``'s output) -> run the baseline's
+Call sequence: check the converted checkpoint (``convert``'s output) against its ``manifest.json`` (a file
+changed, missing or truncated since the conversion fails the stage before anything runs) -> read its step -> run the baseline's
 own continuation: K steps from the source checkpoint at the source layout -> run K steps from the
 converted checkpoint at the target layout (both on the job's worker group, via `rank_entry`) ->
 `compare_continuations` (pure): losses bit-identical at the same layout, within the fp32
@@ -138,6 +139,18 @@ def rng_decisions(state_report: Mapping[str, Any] | None) -> list[dict[str, Any]
             for e in (state_report or {}).get("states", []) if "target_rank" in e]
 
 
+def manifest_problems(checkpoint: str | Path) -> tuple[str, ...]:
+    """Why `checkpoint`'s files are not the ones its conversion wrote (size and checksum of every file its
+    `manifest.json` lists; a missing manifest or an in-progress marker); empty when intact."""
+    from checkpoint.destination import MANIFEST
+    from checkpoint.execute import verify_manifest
+
+    if not (Path(checkpoint) / MANIFEST).is_file():
+        return (f"{Path(checkpoint) / MANIFEST}: missing: the converted checkpoint cannot be checked against what the "
+                "conversion wrote",)
+    return tuple(verify_manifest(checkpoint))
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer step a checkpoint was saved at (from its metadata)."""
     from checkpoint.api import read_index
@@ -171,7 +184,15 @@ def run(ctx: StageContext) -> StageOutcome:
     job = ctx.job.spec
     convert = ctx.upstream["convert"]
     converted = Path(convert.outputs["checkpoint"])
-    if options.fault:
+    damaged = manifest_problems(converted)
+    if damaged:
+        shown = damaged[:20]
+        return StageOutcome(verdict="fail", metrics={"manifest_problems": len(damaged), "passed": 0},
+                            reasons=tuple(f"converted checkpoint differs from its manifest: {p}" for p in shown),
+                            summary_md=f"The converted checkpoint `{converted}` is not what the conversion wrote "
+                                       f"({len(damaged)} problem(s)); nothing was resumed.\n\n"
+                                       + "\n".join(f"- {p}" for p in shown) + "\n")
+    if options.fault:  # models a converter that wrote wrong state (its manifest agreeing): applied to a copy
         broken = ctx.work_dir / f"checkpoint_{options.fault}"
         shutil.rmtree(broken, ignore_errors=True)
         shutil.copytree(converted, broken)
