@@ -1,7 +1,7 @@
 """Real DeepSpeed ZeRO checkpoints for the conversion tests, made by a small real training run.
 
 `make_deepspeed_checkpoint(spec, root)` trains a tiny model with `deepspeed.initialize` at
-`spec.world_size` ranks (spawned processes, Gloo, file:// rendezvous), saves a checkpoint and
+`spec.world_size` ranks (processes forked from the fork server, Gloo, file:// rendezvous), saves a checkpoint and
 returns its directory. `load_and_probe(ckpt_dir, spec)` loads a checkpoint with DeepSpeed's own
 engine at another layout and returns, per parameter, the full fp32 master, exp_avg and exp_avg_sq
 that DeepSpeed gathers itself, the step, scheduler and client state, the probe loss before and
@@ -251,6 +251,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _with_environ(environ: dict, fn, *args) -> None:
+    """`fn(*args)` with the driver's environment (a forked process has the fork server's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(*args)
+
+
 def _launch(fn, world_size: int, args: tuple, result_dir: Path) -> list[str]:
     """Spawn `fn(rank, world_size, init_file, *args)` per rank; return notes about abnormal exits.
 
@@ -260,8 +267,11 @@ def _launch(fn, world_size: int, args: tuple, result_dir: Path) -> list[str]:
     os.environ["MASTER_PORT"] = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="ds_rdzv_") as tmp:
         init_file = str(Path(tmp, "init"))
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=fn, args=(r, world_size, init_file, *args)) for r in range(world_size)]
+        # forked from the session's fork server (torch and DeepSpeed imported once; tests/conftest.py)
+        ctx = mp.get_context("forkserver")
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=_with_environ, args=(environ, fn, r, world_size, init_file, *args))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

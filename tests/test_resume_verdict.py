@@ -50,3 +50,39 @@ def test_rng_state_differing_from_its_role_is_named_per_rank():
     assert v.reasons[0] == ("RNG state of rank 1 at resumed step 7 is not what the checkpoint should carry: target bb "
                             "but the baseline's rank 0 (replicate) has aa")
     assert "the state derived by the conversion (derive) has dd" in v.reasons[1]
+
+
+def _full(losses, grad_norms, lrs, consumed):
+    records = tuple({"step": 7 + i, "loss": v, "grad_norm": g, "lr": lr, "consumed_samples": c}
+                    for i, (v, g, lr, c) in enumerate(zip(losses, grad_norms, lrs, consumed)))
+    return Continuation(layout="x", start_step=6, records=records, samples=BASE.samples, rng=(("aa",) * 3, ("aa",) * 3))
+
+
+FULL = _full([4.0, 3.5, 3.0], [1.0, 0.9, 0.8], [1e-3, 9e-4, 8e-4], [16, 18, 20])
+
+
+def _judge_full(target, same_layout=False):
+    return compare_continuations(target, FULL, same_layout=same_layout, rng_decisions=[], rtol=1e-5, atol=1e-6,
+                                 grad_norm_rtol=1e-4, lr_rtol=1e-6)
+
+
+def test_grad_norm_lr_and_consumed_samples_are_compared_per_step():
+    ok = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9 * (1 + 5e-5), 0.8], [1e-3, 9e-4, 8e-4], [16, 18, 20]))
+    assert ok.passed, ok.reasons
+    assert abs(ok.max_grad_norm_rel_diff - 5e-5) < 1e-9
+
+    lr_reset = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9, 0.8], [1e-4, 2e-4, 3e-4], [16, 18, 20]))
+    assert lr_reset.reasons == ("learning rate differs at step 7: target 0.0001 baseline 0.001, relative 0.9 > lr_rtol "
+                                "1e-06 (the scheduler state was not carried)",)
+
+    grad = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9, 0.81], [1e-3, 9e-4, 8e-4], [16, 18, 20]))
+    assert grad.reasons == ("grad norm differs at step 9: target 0.81 baseline 0.8, relative 0.0125 > grad_norm_rtol "
+                            "0.0001",)
+
+    counter = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9, 0.8], [1e-3, 9e-4, 8e-4], [8, 10, 12]))
+    assert counter.reasons == ("consumed samples differ at step 7: target 8 baseline 16",)
+
+
+def test_same_layout_requires_a_bit_identical_grad_norm():
+    v = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9 * (1 + 1e-9), 0.8], [1e-3, 9e-4, 8e-4], [16, 18, 20]), same_layout=True)
+    assert len(v.reasons) == 1 and v.reasons[0].startswith("grad norm differs at step 8 at the same layout (must be bit-identical)")

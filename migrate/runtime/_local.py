@@ -34,8 +34,11 @@ _WARM: set[str] = {"torch", "torch.distributed", "cloudpickle", "migrate.runtime
 
 
 def warm(*modules: str) -> None:
-    """Add modules for the fork server to import when it starts (no effect on a server already running)."""
+    """Add modules for the fork server to import when it starts (no effect on a server already running);
+    also for other users of multiprocessing's fork server in this process."""
     _WARM.update(modules)
+    if sys.platform == "linux":
+        multiprocessing.set_forkserver_preload(sorted(_WARM))
 
 
 def _context(spec: WorkerGroupSpec) -> multiprocessing.context.BaseContext:

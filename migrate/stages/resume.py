@@ -4,8 +4,9 @@ Call sequence: check the converted checkpoint (``convert``'s output) against its
 changed, missing or truncated since the conversion fails the stage before anything runs) -> read its step -> run the baseline's
 own continuation: K steps from the source checkpoint at the source layout -> run K steps from the
 converted checkpoint at the target layout (both on the job's worker group, via `rank_entry`) ->
-`compare_continuations` (pure): losses bit-identical at the same layout, within the fp32
-reduction-order tolerance at another; the dataset indices each step consumed equal the
+`compare_continuations` (pure): per step, loss and grad norm bit-identical at the same layout and
+within their fp32 reduction-order tolerances at another, the learning rate and the consumed samples
+equal (a scheduler or data counter not carried shows at the first step); the dataset indices each step consumed equal the
 baseline's (checked on their own, not through the loss); every target rank starts from the RNG
 state the conversion report says it carries (for carried/replicated states: the baseline's rank
 with that role). Writes ``metrics.jsonl`` (the gate's candidate), ``baseline_metrics.jsonl`` and
@@ -31,6 +32,9 @@ class ResumeOptions(StageOptions):
     steps: int = Field(default=3, ge=1, description="K: optimizer steps run after the checkpoint on each side")
     loss_rtol: float = Field(default=1e-5, ge=0, description="relative loss tolerance at a changed layout (fp32 reduction order)")
     loss_atol: float = Field(default=1e-6, ge=0, description="absolute loss tolerance at a changed layout")
+    grad_norm_rtol: float = Field(default=1e-4, ge=0, description="relative grad-norm tolerance at a changed layout")
+    lr_rtol: float = Field(default=1e-6, ge=0, description="relative learning-rate tolerance (the schedule is a function "
+                                                           "of the step: equal at any layout)")
     engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
     fault: Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
                    "scale_weights"] | None = Field(
@@ -62,6 +66,7 @@ class ResumeVerdict:
     reasons: tuple[str, ...]
     loss_diffs: tuple[float, ...]
     max_loss_diff: float
+    max_grad_norm_rel_diff: float
     data_order: str
     rng: str
     details: dict[str, Any] = field(default_factory=dict)
@@ -72,29 +77,60 @@ def _fmt(indices: Sequence[int], limit: int = 8) -> str:
     return f"[{head}{', ...' if len(indices) > limit else ''}]"
 
 
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def _per_step_problems(target: Continuation, baseline: Continuation, *, same_layout: bool, rtol: float, atol: float,
+                       grad_norm_rtol: float, lr_rtol: float) -> list[str]:
+    """The first step at which each per-step quantity (loss, grad norm, learning rate, consumed samples)
+    leaves its tolerance; bit-identical at the same layout except the learning rate's own tolerance."""
+    problems: dict[str, str] = {}
+    for i, (t, b) in enumerate(zip(target.records, baseline.records)):
+        step = target.start_step + i + 1
+        d = abs(t["loss"] - b["loss"])
+        if "loss" not in problems:
+            if same_layout and t["loss"] != b["loss"]:
+                problems["loss"] = (f"loss differs at step {step} at the same layout (must be bit-identical): target "
+                                    f"{t['loss']!r} baseline {b['loss']!r} (|diff| {d:.3g})")
+            elif not same_layout and not d <= atol + rtol * abs(b["loss"]):
+                problems["loss"] = (f"loss differs beyond fp32 reduction tolerance at step {step}: target {t['loss']!r} "
+                                    f"baseline {b['loss']!r} |diff| {d:.3g} > atol {atol:g} + rtol {rtol:g} * |baseline| = "
+                                    f"{atol + rtol * abs(b['loss']):.3g}")
+        if "grad_norm" not in problems and "grad_norm" in t and "grad_norm" in b:
+            g = _rel(t["grad_norm"], b["grad_norm"])
+            if same_layout and t["grad_norm"] != b["grad_norm"]:
+                problems["grad_norm"] = (f"grad norm differs at step {step} at the same layout (must be bit-identical): "
+                                         f"target {t['grad_norm']!r} baseline {b['grad_norm']!r}")
+            elif not same_layout and not g <= grad_norm_rtol:
+                problems["grad_norm"] = (f"grad norm differs at step {step}: target {t['grad_norm']!r} baseline "
+                                         f"{b['grad_norm']!r}, relative {g:.3g} > grad_norm_rtol {grad_norm_rtol:g}")
+        if "lr" not in problems and "lr" in t and "lr" in b and not _rel(t["lr"], b["lr"]) <= lr_rtol:
+            problems["lr"] = (f"learning rate differs at step {step}: target {t['lr']!r} baseline {b['lr']!r}, relative "
+                              f"{_rel(t['lr'], b['lr']):.3g} > lr_rtol {lr_rtol:g} (the scheduler state was not carried)")
+        if ("consumed_samples" not in problems and "consumed_samples" in t and "consumed_samples" in b
+                and t["consumed_samples"] != b["consumed_samples"]):
+            problems["consumed_samples"] = (f"consumed samples differ at step {step}: target {t['consumed_samples']} "
+                                            f"baseline {b['consumed_samples']}")
+    return list(problems.values())
+
+
 def compare_continuations(target: Continuation, baseline: Continuation, *, same_layout: bool,
-                          rng_decisions: Sequence[Mapping[str, Any]], rtol: float, atol: float) -> ResumeVerdict:
+                          rng_decisions: Sequence[Mapping[str, Any]], rtol: float, atol: float,
+                          grad_norm_rtol: float = 1e-4, lr_rtol: float = 1e-6) -> ResumeVerdict:
     """Judge the target's continuation against the baseline's; pure. Every failed check gives a reason."""
     from checkpoint.state.data_position import first_difference
 
     reasons: list[str] = []
     if target.start_step != baseline.start_step:
         reasons.append(f"target resumed at step {target.start_step} but the baseline at step {baseline.start_step}")
-    t_loss = [r["loss"] for r in target.records]
-    b_loss = [r["loss"] for r in baseline.records]
-    if len(t_loss) != len(b_loss):
-        reasons.append(f"target ran {len(t_loss)} step(s) after the checkpoint, the baseline {len(b_loss)}")
-    diffs = [abs(a - b) for a, b in zip(t_loss, b_loss)]
-    for i, (a, b, d) in enumerate(zip(t_loss, b_loss, diffs)):
-        step = target.start_step + i + 1
-        if same_layout and a != b:
-            reasons.append(f"loss differs at step {step} at the same layout (must be bit-identical): target {a!r} "
-                           f"baseline {b!r} (|diff| {d:.3g})")
-            break
-        if not same_layout and not d <= atol + rtol * abs(b):
-            reasons.append(f"loss differs beyond fp32 reduction tolerance at step {step}: target {a!r} baseline {b!r} "
-                           f"|diff| {d:.3g} > atol {atol:g} + rtol {rtol:g} * |baseline| = {atol + rtol * abs(b):.3g}")
-            break
+    if len(target.records) != len(baseline.records):
+        reasons.append(f"target ran {len(target.records)} step(s) after the checkpoint, the baseline {len(baseline.records)}")
+    diffs = [abs(t["loss"] - b["loss"]) for t, b in zip(target.records, baseline.records)]
+    grad_diffs = [_rel(t["grad_norm"], b["grad_norm"]) for t, b in zip(target.records, baseline.records)
+                  if "grad_norm" in t and "grad_norm" in b]
+    reasons += _per_step_problems(target, baseline, same_layout=same_layout, rtol=rtol, atol=atol,
+                                  grad_norm_rtol=grad_norm_rtol, lr_rtol=lr_rtol)
     first = first_difference(target.samples, baseline.samples)
     if not target.samples:
         data_order = "not recorded by the target run"
@@ -130,7 +166,8 @@ def compare_continuations(target: Continuation, baseline: Continuation, *, same_
         policies = sorted({d["policy"] for d in rng_decisions})
         rng = f"every rank ({len(rng_decisions)}) starts from the state it should ({', '.join(policies)})"
     return ResumeVerdict(passed=not reasons, reasons=tuple(reasons), loss_diffs=tuple(diffs),
-                         max_loss_diff=max(diffs, default=float("nan")), data_order=data_order, rng=rng)
+                         max_loss_diff=max(diffs, default=float("nan")),
+                         max_grad_norm_rel_diff=max(grad_diffs, default=float("nan")), data_order=data_order, rng=rng)
 
 
 def rng_decisions(state_report: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -220,27 +257,33 @@ def run(ctx: StageContext) -> StageOutcome:
     same = src_layout == dst_layout and dst_micro_batch == job.training.micro_batch_size
     verdict = compare_continuations(runs["target"], runs["baseline"], same_layout=same,
                                     rng_decisions=rng_decisions(state_report), rtol=options.loss_rtol,
-                                    atol=options.loss_atol)
-    per_step = [{"step": start + i + 1, "target_loss": t["loss"], "baseline_loss": b["loss"], "abs_diff": d}
+                                    atol=options.loss_atol, grad_norm_rtol=options.grad_norm_rtol, lr_rtol=options.lr_rtol)
+    per_step = [{"step": start + i + 1, "target_loss": t["loss"], "baseline_loss": b["loss"], "abs_diff": d,
+                 "target_grad_norm": t.get("grad_norm"), "baseline_grad_norm": b.get("grad_norm"),
+                 "target_lr": t.get("lr"), "baseline_lr": b.get("lr")}
                 for i, (t, b, d) in enumerate(zip(runs["target"].records, runs["baseline"].records, verdict.loss_diffs))]
     for row in per_step:
         ctx.log_metrics(row["step"], {"loss_abs_diff": row["abs_diff"]})
     (ctx.work_dir / "resume.json").write_text(json.dumps({
         "checkpoint": str(converted), "source_checkpoint": str(source), "start_step": start, "steps": options.steps,
         "fault": options.fault, "per_step": per_step, "max_loss_diff": verdict.max_loss_diff,
+        "max_grad_norm_rel_diff": verdict.max_grad_norm_rel_diff,
         "data_order": verdict.data_order, "rng": verdict.rng, "reasons": list(verdict.reasons),
         "samples": {"target": runs["target"].samples, "baseline": runs["baseline"].samples},
         "rng_fingerprints": {"target": runs["target"].rng, "baseline": runs["baseline"].rng},
         "state_report": state_report}, indent=1))
     metrics = {"start_step": start, "steps": len(per_step), "max_loss_diff": verdict.max_loss_diff,
+               "max_grad_norm_rel_diff": verdict.max_grad_norm_rel_diff,
                "data_order_ok": int(verdict.data_order.startswith("identical")), "passed": int(verdict.passed)}
-    rows = "\n".join(f"| {r['step']} | {r['baseline_loss']:.9f} | {r['target_loss']:.9f} | {r['abs_diff']:.3g} |"
-                     for r in per_step)
+    rows = "\n".join(f"| {r['step']} | {r['baseline_loss']:.9f} | {r['target_loss']:.9f} | {r['abs_diff']:.3g} | "
+                     f"{r['baseline_grad_norm']:.6g} | {r['target_grad_norm']:.6g} | {r['baseline_lr']:.6g} | "
+                     f"{r['target_lr']:.6g} |" for r in per_step)
     summary = (f"Resumed the converted checkpoint (step {start}) at {dst_layout.describe()} (micro batch "
                f"{dst_micro_batch}) for {len(per_step)} step(s) "
                f"against the baseline's continuation at {src_layout.describe()}"
                + (f" (fault injected: {options.fault})" if options.fault else "") + ".\n\n"
-               "| step | baseline loss | target loss | abs diff |\n|---|---|---|---|\n" + rows + "\n\n"
+               "| step | baseline loss | target loss | abs diff | baseline grad norm | target grad norm | baseline lr | "
+               "target lr |\n|---|---|---|---|---|---|---|---|\n" + rows + "\n\n"
                f"Data order: {verdict.data_order}.\n\nRNG: {verdict.rng}.\n")
     if state_report:
         summary += "\nState carried by the conversion:\n\n" + "\n".join(
