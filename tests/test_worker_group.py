@@ -35,6 +35,15 @@ def kill_rank_mid_all_reduce(ctx, victim):
     return t.sum().item()
 
 
+def exit_while_others_set_up_a_group(ctx, victim):
+    """The victim exits (code 3) while the others create a subgroup, as a comm suite's setup does."""
+    if ctx.rank == victim:
+        os._exit(3)
+    group = dist.new_group(list(range(ctx.world_size)))
+    dist.barrier(group=group)
+    return ctx.rank
+
+
 def hang_on_rank(ctx, victim):
     if ctx.rank == victim:
         time.sleep(3600)
@@ -94,6 +103,20 @@ def test_killed_rank_is_reported_with_its_rank_within_the_timeout(ray_session):
     assert [f.rank for f in died] == [2]
     assert str(err).splitlines()[1].strip().startswith("rank 2 on ")  # root cause listed first
     assert "died" in str(err)
+    _assert_gone(pids)
+
+
+@pytest.mark.parametrize("mode", ["ray", "local"])
+def test_rank_dying_during_setup_is_named_first_not_its_bystanders(ray_session, mode):
+    group = start_worker_group(WorkerGroupSpec(world_size=3, timeout_s=60, mode=mode))
+    pids = group.run(pid_of_rank)
+    with pytest.raises(WorkerGroupError) as info:
+        group.run(exit_while_others_set_up_a_group, 1, timeout_s=40)
+    err = info.value
+    assert [f.rank for f in err.failures if f.kind == "died"] == [1], str(err)
+    assert str(err).splitlines()[1].strip().startswith("rank 1 on "), str(err)  # the cause, then the bystanders
+    assert err.ranks[0] == 1
+    assert all(f.detail == "stopped after rank(s) [1] failed" for f in err.failures if f.kind == "aborted"), str(err)
     _assert_gone(pids)
 
 

@@ -184,9 +184,10 @@ class LocalWorkerGroup:
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if pending:
             kind = "aborted" if failures else "timeout"
+            causes = sorted(f.rank for f in failures)
             for rank in sorted(pending):
                 detail = (
-                    f"stopped after rank(s) {[f.rank for f in failures]} failed"
+                    f"stopped after rank(s) {causes} failed"
                     if failures
                     else f"did not finish {what} within {timeout_s:.1f} s"
                 )

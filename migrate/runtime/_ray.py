@@ -183,13 +183,17 @@ class RayWorkerGroup:
                 else:
                     failures.append(RankFailure(rank, self._node(rank), "exception", value.error.strip()))
                     deadline = min(deadline, time.monotonic() + self._grace(value.error))
-        for ref in pending:
-            rank = index[ref]
+        still = sorted(index[ref] for ref in pending)
+        for rank in still:
             pid, host = self._pids.get(rank, (None, ""))
             if _gone(pid, host):
                 failures.append(RankFailure(rank, self._node(rank), "died", f"pid {pid} is gone (killed?) during {what}"))
-            elif failures:
-                failures.append(RankFailure(rank, self._node(rank), "aborted", f"stopped after rank(s) {[f.rank for f in failures]} failed"))
+        causes = sorted(f.rank for f in failures)
+        for rank in still:
+            if rank in causes:
+                continue
+            if causes:
+                failures.append(RankFailure(rank, self._node(rank), "aborted", f"stopped after rank(s) {causes} failed"))
             else:
                 failures.append(RankFailure(rank, self._node(rank), "timeout", f"did not finish {what} within {timeout_s:.1f} s"))
         if failures:
