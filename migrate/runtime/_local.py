@@ -47,9 +47,7 @@ def _context(spec: WorkerGroupSpec) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     import multiprocessing.forkserver as forkserver
 
-    context = multiprocessing.get_context("forkserver")
-    _WARM.update(spec.preload)
-    context.set_forkserver_preload(sorted(_WARM))  # read only when the server starts
+    warm(*spec.preload)  # read only when the server starts
     saved = dict(os.environ)
     os.environ.update({k: str(v) for k, v in spec.env.items()})
     try:
@@ -57,7 +55,7 @@ def _context(spec: WorkerGroupSpec) -> multiprocessing.context.BaseContext:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return context
+    return multiprocessing.get_context("forkserver")
 
 
 def _rank_main(ctx: RankContext, spec: WorkerGroupSpec, conn: Connection, environ: dict[str, str]) -> None:

@@ -85,33 +85,41 @@ def _per_step_problems(target: Continuation, baseline: Continuation, *, same_lay
                        grad_norm_rtol: float, lr_rtol: float) -> list[str]:
     """The first step at which each per-step quantity (loss, grad norm, learning rate, consumed samples)
     leaves its tolerance; bit-identical at the same layout except the learning rate's own tolerance."""
+    def loss(step: int, t: float, b: float) -> str | None:
+        d = abs(t - b)
+        if same_layout:
+            return None if t == b else (f"loss differs at step {step} at the same layout (must be bit-identical): "
+                                        f"target {t!r} baseline {b!r} (|diff| {d:.3g})")
+        limit = atol + rtol * abs(b)
+        return None if d <= limit else (f"loss differs beyond fp32 reduction tolerance at step {step}: target {t!r} "
+                                         f"baseline {b!r} |diff| {d:.3g} > atol {atol:g} + rtol {rtol:g} * |baseline| = "
+                                         f"{limit:.3g}")
+
+    def grad_norm(step: int, t: float, b: float) -> str | None:
+        if same_layout:
+            return None if t == b else (f"grad norm differs at step {step} at the same layout (must be bit-identical): "
+                                        f"target {t!r} baseline {b!r}")
+        g = _rel(t, b)
+        return None if g <= grad_norm_rtol else (f"grad norm differs at step {step}: target {t!r} baseline {b!r}, "
+                                                 f"relative {g:.3g} > grad_norm_rtol {grad_norm_rtol:g}")
+
+    def lr(step: int, t: float, b: float) -> str | None:
+        r = _rel(t, b)
+        return None if r <= lr_rtol else (f"learning rate differs at step {step}: target {t!r} baseline {b!r}, relative "
+                                          f"{r:.3g} > lr_rtol {lr_rtol:g} (the scheduler state was not carried)")
+
+    def consumed_samples(step: int, t: int, b: int) -> str | None:
+        return None if t == b else f"consumed samples differ at step {step}: target {t} baseline {b}"
+
     problems: dict[str, str] = {}
     for i, (t, b) in enumerate(zip(target.records, baseline.records)):
-        step = target.start_step + i + 1
-        d = abs(t["loss"] - b["loss"])
-        if "loss" not in problems:
-            if same_layout and t["loss"] != b["loss"]:
-                problems["loss"] = (f"loss differs at step {step} at the same layout (must be bit-identical): target "
-                                    f"{t['loss']!r} baseline {b['loss']!r} (|diff| {d:.3g})")
-            elif not same_layout and not d <= atol + rtol * abs(b["loss"]):
-                problems["loss"] = (f"loss differs beyond fp32 reduction tolerance at step {step}: target {t['loss']!r} "
-                                    f"baseline {b['loss']!r} |diff| {d:.3g} > atol {atol:g} + rtol {rtol:g} * |baseline| = "
-                                    f"{atol + rtol * abs(b['loss']):.3g}")
-        if "grad_norm" not in problems and "grad_norm" in t and "grad_norm" in b:
-            g = _rel(t["grad_norm"], b["grad_norm"])
-            if same_layout and t["grad_norm"] != b["grad_norm"]:
-                problems["grad_norm"] = (f"grad norm differs at step {step} at the same layout (must be bit-identical): "
-                                         f"target {t['grad_norm']!r} baseline {b['grad_norm']!r}")
-            elif not same_layout and not g <= grad_norm_rtol:
-                problems["grad_norm"] = (f"grad norm differs at step {step}: target {t['grad_norm']!r} baseline "
-                                         f"{b['grad_norm']!r}, relative {g:.3g} > grad_norm_rtol {grad_norm_rtol:g}")
-        if "lr" not in problems and "lr" in t and "lr" in b and not _rel(t["lr"], b["lr"]) <= lr_rtol:
-            problems["lr"] = (f"learning rate differs at step {step}: target {t['lr']!r} baseline {b['lr']!r}, relative "
-                              f"{_rel(t['lr'], b['lr']):.3g} > lr_rtol {lr_rtol:g} (the scheduler state was not carried)")
-        if ("consumed_samples" not in problems and "consumed_samples" in t and "consumed_samples" in b
-                and t["consumed_samples"] != b["consumed_samples"]):
-            problems["consumed_samples"] = (f"consumed samples differ at step {step}: target {t['consumed_samples']} "
-                                            f"baseline {b['consumed_samples']}")
+        for judge in (loss, grad_norm, lr, consumed_samples):
+            name = judge.__name__
+            if name in problems or name not in t or name not in b:
+                continue
+            problem = judge(target.start_step + i + 1, t[name], b[name])
+            if problem:
+                problems[name] = problem
     return list(problems.values())
 
 
@@ -259,8 +267,8 @@ def run(ctx: StageContext) -> StageOutcome:
                                     rng_decisions=rng_decisions(state_report), rtol=options.loss_rtol,
                                     atol=options.loss_atol, grad_norm_rtol=options.grad_norm_rtol, lr_rtol=options.lr_rtol)
     per_step = [{"step": start + i + 1, "target_loss": t["loss"], "baseline_loss": b["loss"], "abs_diff": d,
-                 "target_grad_norm": t.get("grad_norm"), "baseline_grad_norm": b.get("grad_norm"),
-                 "target_lr": t.get("lr"), "baseline_lr": b.get("lr")}
+                 "target_grad_norm": t["grad_norm"], "baseline_grad_norm": b["grad_norm"],
+                 "target_lr": t["lr"], "baseline_lr": b["lr"]}
                 for i, (t, b, d) in enumerate(zip(runs["target"].records, runs["baseline"].records, verdict.loss_diffs))]
     for row in per_step:
         ctx.log_metrics(row["step"], {"loss_abs_diff": row["abs_diff"]})
