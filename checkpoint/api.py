@@ -44,9 +44,11 @@ def detect_format(path: str | Path) -> str:
 
 def read_index(path: str | Path, *, trust_checkpoint: bool = False, expect_dp: int | None = None,
                expect_stage: int | None = None, expect_tp: int | None = None, expect_pp: int | None = None,
-               expect_ep: int | None = None, fmt: str | None = None, follow_symlinks: bool = False) -> CheckpointIndex:
+               expect_ep: int | None = None, fmt: str | None = None, follow_symlinks: bool = False,
+               model_config: Mapping[str, Any] | None = None) -> CheckpointIndex:
     """Index the checkpoint at `path` (format detected unless `fmt`) from metadata only, checking the
-    declared layout when given.
+    declared layout when given. `model_config` gives the architecture to readers whose sources may lack it
+    (Megatron), and overrides what a source records (each overridden field named in meta `arch_overrides`).
 
     Before anything is read: the folder must not be a conversion's unfinished output, and no symbolic
     link in it may lead outside it (unless `follow_symlinks`); after: every file the index names must lie
@@ -59,7 +61,7 @@ def read_index(path: str | Path, *, trust_checkpoint: bool = False, expect_dp: i
     spec = get_format(fmt) if fmt is not None else get_format(detect_format(path))
     try:
         index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect_dp, zero_stage=expect_stage,
-                                            tp=expect_tp, pp=expect_pp, ep=expect_ep))
+                                            tp=expect_tp, pp=expect_pp, ep=expect_ep, model_config=model_config))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, OSError) as err:
         # content the reader's own checks did not foresee: still one line naming the checkpoint, not a traceback
         raise CheckpointFormatError(f"{path}: not a readable {spec.name} checkpoint ({type(err).__name__}: "
@@ -116,7 +118,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
     earlier conversion's output there (refuse, resume an unfinished one, overwrite)."""
     check_disjoint(src, dst)
     index = read_index(src, trust_checkpoint=trust_checkpoint, expect_dp=expect_dp, expect_stage=expect_stage,
-                       expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep, follow_symlinks=follow_symlinks)
+                       expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep, follow_symlinks=follow_symlinks,
+                       model_config=model_config)
     check_disjoint(index.root, dst)
     plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
                                    arch=arch, model_config=model_config)

@@ -48,6 +48,12 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
         "megatron.core.rerun_state_machine.RerunMode",
         "megatron.core.rerun_state_machine.RerunState",
         "megatron.core.rerun_state_machine.RerunDiagnostic",
+        # NumPy's RNG state tuple (np.random.get_state(): kind, uint32 key array, pos, has_gauss, cached) that
+        # Megatron-LM's get_rng_state saves; numpy 1.x writes the array constructor as numpy.core.multiarray
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray._reconstruct",
     }
 )
 
@@ -96,10 +102,36 @@ _SAFE_GLOBALS_LOCK = threading.RLock()
 
 
 def _resolve(name: str) -> Any:
+    """The object torch's weights_only unpickler admits for the pickled global `name`: (object, name) where
+    the object lives under another name (stand-ins; numpy 1.x's `numpy.core` alias of `numpy._core`)."""
     if name in STAND_INS:
         return STAND_INS[name], name
     module, _, attr = name.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
+    import warnings
+
+    with warnings.catch_warnings():  # numpy 2 warns when numpy.core is imported by that name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        obj = getattr(importlib.import_module(module), attr)
+    own = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+    return obj if own == name else (obj, name)
+
+
+# The instance types `numpy.dtype(...)` returns for the plain numeric dtypes (the unpickler checks the type of
+# the object it sets the state of): admitted with `numpy.dtype`, never object, void or string dtypes
+_NUMPY_DTYPE_CLASSES = tuple(f"numpy.dtypes.{n}DType" for n in (
+    "Bool", "Int8", "UInt8", "Int16", "UInt16", "Int32", "UInt32", "Int64", "UInt64", "Long", "ULong",
+    "LongLong", "ULongLong", "Short", "UShort", "Byte", "UByte", "Float16", "Float32", "Float64"))
+
+
+def admitted(names: list[str]) -> list[Any]:
+    """What to pass torch's `safe_globals` for a file whose pickle references the allow-listed `names`."""
+    out = [_resolve(n) for n in names]
+    if "numpy.dtype" in names:
+        import numpy.dtypes
+
+        out += [getattr(numpy.dtypes, n.rpartition(".")[2]) for n in _NUMPY_DTYPE_CLASSES
+                if hasattr(numpy.dtypes, n.rpartition(".")[2])]
+    return out
 
 
 def _real(name: str) -> type:
@@ -250,7 +282,7 @@ class allowing:  # noqa: N801 - used as a context manager, like torch's safe_glo
     """Hold the lock and admit the allow-listed globals `names` for torch.load(weights_only=True)."""
 
     def __init__(self, names: list[str]) -> None:
-        self.ctx = torch.serialization.safe_globals([_resolve(n) for n in names])
+        self.ctx = torch.serialization.safe_globals(admitted(names))
 
     def __enter__(self) -> None:
         _SAFE_GLOBALS_LOCK.acquire()
@@ -284,10 +316,28 @@ def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False
         try:
             if refused:
                 return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-            with torch.serialization.safe_globals([_resolve(n) for n in needed]):
+            with torch.serialization.safe_globals(admitted(needed)):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as err:
+            reason = _weights_only_reason(str(err))
+            if reason is None:
+                raise CheckpointFormatError(f"{path}: cannot load (truncated or corrupt?): {err}") from err
+            if not trust_checkpoint:
+                raise UntrustedCheckpointError(f"{path}: refusing to unpickle it: {reason} (not in the allow-list); "
+                                               f"pass trust_checkpoint / --trust-checkpoint if you trust this file"
+                                               ) from None
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
             raise CheckpointFormatError(f"{path}: cannot load (truncated or corrupt?): {err}") from err
+
+
+def _weights_only_reason(message: str) -> str | None:
+    """The line of torch's weights_only refusal that names what it would not build (e.g. a numpy object
+    dtype, which no global in the pickle names); None when the error is not such a refusal."""
+    if "Weights only load failed" not in message:
+        return None
+    lines = [ln.strip() for ln in message.splitlines() if "but got" in ln or "Unsupported" in ln]
+    return lines[0] if lines else "torch's weights_only unpickler refused an object"
 
 
 class _AllowListUnpickler(pickle.Unpickler):

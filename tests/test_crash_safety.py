@@ -4,7 +4,7 @@ For each target format (and with worker processes) a `migrate convert` process i
 random moment of its write phase, over several seeds. After each kill: the source is byte-for-byte
 unchanged; the destination is either finished (its manifest verifies) or refused by our reader and by the
 target framework's own entry point (DeepSpeed's zero_to_fp32 reads `latest`, DCP's loader `.metadata`,
-Megatron-Core's `check_is_distributed_checkpoint` `metadata.json`, safetensors the weights file); no worker
+Megatron-LM's tracker, then Megatron-Core's `check_is_distributed_checkpoint`, safetensors the weights file); no worker
 outlives its coordinator; a plain rerun names the unfinished conversion, and `--resume` finishes it into
 the same files an uninterrupted conversion writes.
 """
@@ -63,14 +63,24 @@ def _dcp_accepts(dest: Path) -> bool:
     return True
 
 
+def _megatron_iteration_dir(dest: Path) -> Path | None:
+    """Where Megatron-LM's load_checkpoint starts: the tracker file names the iteration directory."""
+    tracker = dest / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        return None
+    return dest / f"iter_{int(tracker.read_text().strip()):07d}"
+
+
 def _megatron_accepts(dest: Path) -> bool:
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 
-    return bool(check_is_distributed_checkpoint(str(dest)))
+    it = _megatron_iteration_dir(dest)
+    return it is not None and bool(check_is_distributed_checkpoint(str(it)))
 
 
-def _legacy_accepts(dest: Path) -> bool:  # Megatron-LM's load_checkpoint starts from the tracker file
-    return (dest / "latest_checkpointed_iteration.txt").is_file()
+def _legacy_accepts(dest: Path) -> bool:
+    it = _megatron_iteration_dir(dest)
+    return it is not None and (it / "mp_rank_00" / "model_optim_rng.pt").is_file()
 
 
 def _universal_accepts(dest: Path) -> bool:  # DeepSpeed's load_checkpoint(load_universal=True) reads latest_universal

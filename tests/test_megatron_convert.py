@@ -86,11 +86,13 @@ def test_convert_loads_in_megatron_at_other_layouts(megatron_checkpoint, source_
     ck = _checkpoint(megatron_checkpoint, src)
     want = source_losses(src)
     tp, pp, dp, ep = dst
-    target = tmp_path / _name(dst) / "iter_0000002"
+    target = tmp_path / _name(dst)  # a save dir: iter_0000002/ and Megatron-LM's tracker beside it
     outcome = convert(ck.path, target, to="megatron", tp=tp, pp=pp, dp=dp, ep=ep)
     written = {f.path for f in outcome.result.files}
     assert len([p for p in written if p.endswith(".distcp")]) == tp * pp * dp  # one .distcp per target rank
-    assert {".metadata", "common.pt", "metadata.json"} <= written
+    assert {"iter_0000002/.metadata", "iter_0000002/common.pt", "iter_0000002/metadata.json",
+            "latest_checkpointed_iteration.txt"} <= written
+    assert (target / "latest_checkpointed_iteration.txt").read_text() == "2"
     back = read_index(target)
     assert (back.meta["tp"], back.meta["pp"], back.meta["dp"], back.meta["ep"]) == (tp, pp, dp, ep)
     assert compare_indexes(outcome.plan.source, back) == []

@@ -241,3 +241,24 @@ def test_virtual_pipeline_legacy_round_trip(tmp_path):
     again = read_index(back)
     assert again.meta["vpp"] == 2 and _same_state(index, again) == []
     _close(launch(dataclasses.replace(resume, load_dir=str(back)), 2)[0].losses, want)
+
+
+@pytest.mark.slow
+def test_bf16_legacy_keys_each_grad_buffer_by_its_param_dtype(megatron_legacy_checkpoint, tmp_path):
+    """bf16 weights with fp32 norms: Megatron-Core keeps two grad buffers per chunk, keyed (bf16, fp32) and
+    (fp32, fp32) in distrib_optim.pt; the reader maps both and the writer emits them so that
+    `load_parameter_state` takes the result at another layout."""
+    ck = megatron_legacy_checkpoint(2, 1, 1, precision="bf16")
+    raw = torch.load(ck.path / "mp_rank_00" / "distrib_optim.pt", weights_only=False)
+    assert [next(iter(raw[g])) for g in (0, 1)] == [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+    source = read_index(ck.path)
+    assert {e.dtype for e in source.entries if e.key.kind is Kind.PARAM and "norm" in e.key.name} == {"float32"}
+    target = tmp_path / "legacy"
+    outcome = convert(ck.path, target, to="megatron-legacy", tp=1, pp=2, dp=1)
+    assert _same_state(outcome.plan.source, read_index(target)) == []
+    # in named_parameters order a dtype's first param opens its buffer: the last stage starts with a layer's norm
+    written = torch.load(target / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt", weights_only=False)
+    assert [next(iter(written[g])) for g in (0, 1)] == [(torch.float32, torch.float32),
+                                                         (torch.bfloat16, torch.float32)]
+    losses = _resume(ck, target, 1, 2, 1)
+    assert len(losses) == 2 and losses[0] == pytest.approx(ck.losses[2], rel=2e-2)

@@ -80,7 +80,8 @@ def fsdp_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def megatron_legacy_checkpoint(tmp_path_factory):
-    """`get(tp, pp, dp, distributed_optimizer=True, global_batch_size=8, ep=1, moe=False)` -> TrainedCheckpoint
+    """`get(tp, pp, dp, distributed_optimizer=True, global_batch_size=8, ep=1, moe=False, precision="fp32")` ->
+    TrainedCheckpoint
     of a Megatron-LM legacy per-rank checkpoint (`checkpoint_format="torch"`): one launch trains 4 steps saving at
     step 2 (`.path` is `iter_0000002`) and at 4, so `.losses[2:]` are the uninterrupted steps 3-4 a resume must repeat.
     Import it by name in the test module (tests/conftest.py imports the older fixtures only)."""
@@ -91,14 +92,15 @@ def megatron_legacy_checkpoint(tmp_path_factory):
     cache: dict[tuple, TrainedCheckpoint] = {}
 
     def get(tp: int, pp: int, dp: int, distributed_optimizer: bool = True, global_batch_size: int = 8,
-            ep: int = 1, moe: bool = False) -> TrainedCheckpoint:
-        key = (tp, pp, dp, distributed_optimizer, global_batch_size, ep, moe)
+            ep: int = 1, moe: bool = False, precision: str = "fp32") -> TrainedCheckpoint:
+        key = (tp, pp, dp, distributed_optimizer, global_batch_size, ep, moe, precision)
         if key not in cache:
-            kind = ("dist" if distributed_optimizer else "plain") + ("_moe" if moe else "")
+            kind = ("dist" if distributed_optimizer else "plain") + ("_moe" if moe else "") + f"_{precision}"
             directory = tmp_path_factory.mktemp(f"mlegacy_tp{tp}_pp{pp}_dp{dp}_ep{ep}_{kind}")
             spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=4, tp=tp, pp=pp, ep=ep,
                            save_every=2, distributed_optimizer=distributed_optimizer, checkpoint_format="torch",
-                           save_dir=str(directory), train=TrainSpec(global_batch_size=global_batch_size))
+                           save_dir=str(directory), train=TrainSpec(global_batch_size=global_batch_size,
+                                                                    precision=precision))
             results = launch(spec, tp * pp * dp)
             cache[key] = TrainedCheckpoint(path=Path(iteration_dir(str(directory), 2)), spec=spec,
                                            world_size=tp * pp * dp, results=tuple(results))

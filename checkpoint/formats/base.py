@@ -32,6 +32,7 @@ class ReadOptions:
     tp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    model_config: Mapping[str, Any] | None = None  # architecture for sources that hold none, overriding theirs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,6 +21,7 @@ maps onto any other, and onto other frameworks' formats.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -39,6 +40,8 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
+from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
+                                              overrides, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -78,6 +81,11 @@ def tracker_iteration_dir(path: Path) -> Path:
         raise CheckpointFormatError(f"{tracker}: holds {text!r}; Megatron-LM's tracker holds an iteration number "
                                     f"or 'release'")
     return path / f"iter_{int(text):07d}"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """Megatron-LM's directory name for a checkpoint of `iteration` (`get_checkpoint_name`)."""
+    return f"iter_{int(iteration):07d}"
 
 
 def resolve_iteration_dir(path: str | Path) -> Path:
@@ -259,11 +267,12 @@ def separate_bucket_keys(arch: ArchSpec, pp: int) -> frozenset[str]:
         else frozenset()
 
 
-def bucket_layouts(params: list[LocalParam], separate: frozenset[str] = frozenset()
+def bucket_layouts(params: list[LocalParam], separate: frozenset[str] = frozenset(), bucket_size: int | None = None
                    ) -> list[tuple[list[tuple[LocalParam, int]], int]]:
-    """Megatron-Core's buckets of one grad buffer (`_ParamAndGradBuffer`, no bucket_size): params in reverse
-    order, each start 64-aligned; a param whose key is in `separate` gets a bucket of its own. Per bucket
-    [(param, start element in the bucket)] and the bucket's unpadded numel."""
+    """Megatron-Core's buckets of one grad buffer (`_ParamAndGradBuffer`): params in reverse order, each start
+    64-aligned; a bucket closes after the param that brings it to `bucket_size` elements (None: never), and
+    a param whose key is in `separate` gets a bucket of its own. Per bucket [(param, start element in the
+    bucket)] and the bucket's unpadded numel (the next bucket starts at the padded end: element 0)."""
     buckets: list[tuple[list[tuple[LocalParam, int]], int]] = []
     cur: list[tuple[LocalParam, int]] = []
     pos = end = 0
@@ -274,7 +283,7 @@ def bucket_layouts(params: list[LocalParam], separate: frozenset[str] = frozense
         pos = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
         cur.append((p, pos))
         end = pos = pos + p.numel
-        if p.rule.key in separate:
+        if p.rule.key in separate or (bucket_size is not None and end >= bucket_size):
             buckets.append((cur, end))
             cur, pos = [], 0
     if cur:
@@ -303,12 +312,28 @@ def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: in
 
 # ---------------------------------------------------------------- reader
 
-def _arch_from_common(common: Mapping[str, Any], root: Path) -> ArchSpec:
+def arch_of_common(common: Mapping[str, Any], where: Path,
+                   model_config: Mapping[str, Any] | None = None) -> tuple[ArchSpec, list[str]]:
+    """The architecture of a Megatron checkpoint and the fields `model_config` overrode: the built-in engine's
+    spec (`migrate.model`), else Megatron-LM's `args`, each overridden by a given `model_config` (an HF
+    config.json or ModelSpec-style fields); `model_config` alone when the checkpoint holds neither. Raises
+    CheckpointFormatError naming the file and what is missing."""
+    given = None if model_config is None else arch_from_config(model_config, where="--model-config")
     model = (common.get("migrate") or {}).get("model")
-    if not isinstance(model, Mapping):
-        raise CheckpointFormatError(f"{root / 'common.pt'}: no migrate.model (architecture) entry; the converter "
-                                    f"needs the model spec that the migrate Megatron engine saves")
-    return ArchSpec.from_dict(dict(model))
+    if isinstance(model, Mapping):
+        saved = ArchSpec.from_dict(dict(model))
+    elif common.get("args") is not None:
+        saved = arch_from_args(common["args"], where=f"{where}: args")
+    elif given is not None:
+        return given, []
+    else:
+        raise CheckpointFormatError(f"{where}: holds neither Megatron-LM's args nor a model spec (migrate.model); "
+                                    f"pass --model-config FILE (an HF config.json or a job's model section)")
+    if given is None:
+        return saved, []
+    if "make_vocab_size_divisible_by" not in model_config:  # an HF config does not say how Megatron padded
+        given = dataclasses.replace(given, make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by)
+    return given, overrides(saved, given)
 
 
 def _storage(md: Any, root: Path) -> dict[tuple[str, tuple[int, ...]], Any]:
@@ -322,8 +347,8 @@ def _chunk_ref(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...], st
 
 
 def read_megatron(path: str | Path, *, trust_checkpoint: bool = False, expect_tp: int | None = None,
-                  expect_pp: int | None = None, expect_ep: int | None = None,
-                  expect_dp: int | None = None) -> CheckpointIndex:
+                  expect_pp: int | None = None, expect_ep: int | None = None, expect_dp: int | None = None,
+                  model_config: Mapping[str, Any] | None = None) -> CheckpointIndex:
     """Index a torch_dist checkpoint from `.metadata`, `metadata.json` and `common.pt` (no tensor data read).
 
     Raises CheckpointFormatError naming the key/file for anything the rules do not explain, and
@@ -347,23 +372,24 @@ def read_megatron(path: str | Path, *, trust_checkpoint: bool = False, expect_tp
     md = safe_load.read_dcp_metadata(root, trust_checkpoint=trust_checkpoint)
     check_data_files(md, root)
     return index_from_metadata(md, common, root, expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep,
-                               expect_dp=expect_dp, trust_checkpoint=trust_checkpoint)
+                               expect_dp=expect_dp, trust_checkpoint=trust_checkpoint, model_config=model_config)
 
 
 def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expect_tp: int | None = None,
                         expect_pp: int | None = None, expect_ep: int | None = None,
-                        expect_dp: int | None = None, trust_checkpoint: bool = False) -> CheckpointIndex:
+                        expect_dp: int | None = None, trust_checkpoint: bool = False,
+                        model_config: Mapping[str, Any] | None = None) -> CheckpointIndex:
     """The index of a torch_dist checkpoint from DCP `Metadata` and the `common.pt` state (pure except for
     the optimizer param-group objects, read from `root` when the metadata lists them as bytes)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    arch = _arch_from_common(common, root)
+    arch, overridden = arch_of_common(common, root / "common.pt", model_config)
     storage = _storage(md, root)
     rules = RULES[arch.architecture].by_key()
     tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
     vocab_key = OUTPUT_KEY if OUTPUT_KEY in tensors else "embedding.word_embeddings.weight"  # tied: one tensor
     out_rows = tensors[vocab_key].size[0] if vocab_key in tensors else arch.padded_vocab(1)
-    layout = _infer_layout(tensors, storage, common)
+    layout = _infer_layout(tensors, storage, common, root)
     for name, want, got in (("tp", expect_tp, layout["tp"]), ("pp", expect_pp, layout["pp"]),
                             ("ep", expect_ep, layout["ep"]), ("dp", expect_dp, layout["dp"])):
         if want is not None and got is not None and want != got:
@@ -399,6 +425,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
             sharding = "dp_reshardable"
         else:
             raise CheckpointFormatError(f"{root}: tensor key {key!r} is not explained by the {arch.architecture} rules")
+    sharding = _check_sharding_type(common, sharding, root)
     if sharding == "dp_reshardable":
         for key, kind, dtype, pieces_by_chunk in _dp_reshardable_pieces(tensors, arch, layout, root):
             for c, pieces in pieces_by_chunk:
@@ -410,7 +437,9 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
         entries.append(TensorEntry(key=key, shape=shape, dtype=dtype, chunks=tuple(chunks)))
     _dedupe_check(entries, root)
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout,
-            "sharding": sharding, "common": _common_meta(common),
+            "sharding": sharding, "common": _common_meta(common), "arch_overrides": overridden,
+            "vocab_padded": _vocab_from_padded_args(common, overridden),
+            "megatron_args": args_summary(common.get("args")),
             "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
             "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype),
             "train_state": canonical_train_state(arch, common, groups,
@@ -429,30 +458,87 @@ def _dedupe_check(entries: list[TensorEntry], root: Path) -> None:
         e.check_complete()
 
 
-def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout the converter wrote into `common.pt` (migrate.layout), else: tp from the vocab split of the
-    output layer, pp/vpp/ep from the optimizer domains, dp from the number of rank files (None if unknown)."""
+def _vocab_from_padded_args(common: Mapping[str, Any], overridden: list[str]) -> bool:
+    """Whether the rules' vocabulary is Megatron-LM's padded size (the architecture came from args that do
+    not record the unpadded one, and no --model-config replaced it)."""
+    ours = isinstance((common.get("migrate") or {}).get("model"), Mapping)
+    return common.get("args") is not None and not ours and not overridden and vocab_is_padded(common["args"])
+
+
+def _check_sharding_type(common: Mapping[str, Any], found: str | None, root: Path) -> str | None:
+    """The DistributedOptimizer sharding type: what the keys show, checked against what Megatron-LM's
+    `content_metadata` says (its `load_checkpoint` decides by the latter); raises CheckpointFormatError when
+    they differ or when the metadata names a type the rules do not read."""
+    content = common.get("content_metadata")
+    declared = content.get("distrib_optim_sharding_type") if isinstance(content, Mapping) else None
+    if declared is None or found is None:
+        if declared not in (None, "dp_reshardable", "fully_reshardable"):
+            raise CheckpointFormatError(f"{root / 'common.pt'}: content_metadata.distrib_optim_sharding_type is "
+                                        f"{declared!r}; readable: 'dp_reshardable', 'fully_reshardable'")
+        return found
+    if declared != found:
+        raise CheckpointFormatError(f"{root / 'common.pt'}: content_metadata says distrib_optim_sharding_type="
+                                    f"{declared!r} but the optimizer keys in .metadata are {found!r}")
+    return found
+
+
+def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common: Mapping[str, Any],
+                  root: Path) -> dict[str, Any]:
+    """The layout the converter wrote into `common.pt` (migrate.layout), else Megatron-LM's args (tp checked
+    against the output layer's vocab split), else: tp from that split, pp/vpp/ep from the optimizer domains,
+    dp from the number of rank files (None if unknown)."""
     declared = (common.get("migrate") or {}).get("layout")
     if isinstance(declared, Mapping):
         return {k: int(declared[k]) for k in ("tp", "pp", "vpp", "ep", "dp")}
-    ranks = {m.group(1) for info in storage.values() if (m := _RANK_FILE_RE.match(info.relative_path))}
     out = tensors.get("output_layer.weight") or tensors["embedding.word_embeddings.weight"]
     tp = len({tuple(c.offsets) for c in out.chunks})
-    dense, expert, gbufs, dp = set(), set(), set(), None
+    if common.get("args") is not None:
+        where = f"{root / 'common.pt'}: args"
+        layout = layout_from_args(common["args"], where=where)
+        layout["bucket_size"] = grad_bucket_size(common["args"], dp=layout["dp"] or 1, where=where)
+        if layout["tp"] != tp:
+            raise LayoutMismatchError(f"{root}: args say tensor_model_parallel_size={layout['tp']} but the output "
+                                      f"layer is stored in {tp} vocab shard(s)")
+        return layout
+    ranks = {m.group(1) for info in storage.values() if (m := _RANK_FILE_RE.match(info.relative_path))}
+    dense, expert, gbufs, dtypes, dp = set(), set(), set(), set(), None
     for key, tmd in tensors.items():
         if m := _DPR_RE.match(key):
             (expert if m.group(1) == "1" else dense).add(int(m.group(2)))
-            gbufs.add(int(m.group(3)))
+            if m.group(1) in (None, "0"):
+                gbufs.add(int(m.group(3)))
+                dtypes.add(m.group(4))
     pp = len(dense) // tp if dense else None
     ep = len(expert) // (tp * pp) if expert and pp else (1 if dense else None)
     if pp and ranks and len(ranks) % (tp * pp) == 0:
         dp = len(ranks) // (tp * pp)
-    return {"tp": tp, "pp": pp, "vpp": len(gbufs) or None, "ep": ep, "dp": dp}
+    return {"tp": tp, "pp": pp, "vpp": len(gbufs) // len(dtypes) if gbufs else None, "ep": ep, "dp": dp}
+
+
+def grad_buffers(arch: ArchSpec, param_dtypes: Mapping[str, str], *, tp: int, pp: int, vpp: int, ep: int,
+                 tp_rank: int, pp_rank: int, ep_rank: int, experts: bool, bucket_size: int | None = None
+                 ) -> list[tuple[str, list[LocalParam], int | None]]:
+    """The grad buffers of one (TP, PP[, EP]) domain in `gbuf_idx` order, as (param dtype, params, bucket size):
+    per model chunk, Megatron-Core's DDP keeps one buffer per param dtype, in the order the dtypes first occur
+    in named_parameters (e.g. bf16 weights, then fp32 norms). `param_dtypes`: the stored dtype per model key;
+    `bucket_size` applies to the first chunk on pipeline rank 0 only (Megatron-LM disables the rest)."""
+    out = []
+    for v in range(vpp):
+        by_dtype: dict[str, list[LocalParam]] = {}
+        for p in domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=v,
+                               ep_rank=ep_rank, experts=experts):
+            key = "embedding.word_embeddings.weight" if p.rule.key == OUTPUT_KEY and arch.tied_embeddings \
+                else p.rule.key
+            by_dtype.setdefault(param_dtypes.get(key, "float32"), []).append(p)
+        size = bucket_size if v == 0 and pp_rank == 0 else None
+        out += [(dtype, params, size) for dtype, params in by_dtype.items()]
+    return out
 
 
 def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: Mapping[str, Any], root: Path):
     tp, pp, vpp, ep = layout["tp"], layout["pp"], layout["vpp"], layout["ep"]
     moe = arch.num_experts > 0
+    param_dtypes = {k: dtype_name(t.properties.dtype) for k, t in tensors.items()}
     for key, tmd in tensors.items():
         m = _DPR_RE.match(key)
         if not m:
@@ -462,17 +548,27 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
         tp_rank = d % tp
         ep_rank = (d // tp) % ep if experts else 0
         pp_rank = d // (tp * ep) if experts else d // tp
-        params = domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=g,
-                               ep_rank=ep_rank, experts=experts)
-        layouts = bucket_layouts(params, separate_bucket_keys(arch, pp) if not experts else frozenset())
+        buffers = grad_buffers(arch, param_dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank,
+                               ep_rank=ep_rank, experts=experts, bucket_size=layout.get("bucket_size"))
+        if g >= len(buffers):
+            raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} but the rules give {len(buffers)} for "
+                                        f"tp_rank={tp_rank} pp_rank={pp_rank} ep_rank={ep_rank} "
+                                        f"({vpp} model chunk(s); one buffer per param dtype in each)")
+        param_dtype, params, bucket_size = buffers[g]
+        saved_dtype = m.group(4).strip("()").split(",")[0].strip().removeprefix("torch.")
+        if saved_dtype != param_dtype:
+            raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} holds {saved_dtype} params but the model "
+                                        f"tensors give {param_dtype} for that buffer")
+        layouts = bucket_layouts(params, separate_bucket_keys(arch, pp) if not experts else frozenset(), bucket_size)
         if bucket >= len(layouts):
             raise CheckpointFormatError(f"{root}: {key}: bucket {bucket} but the rules give {len(layouts)} bucket(s) "
-                                        f"for this grad buffer (a bucket_size set in training is not supported)")
+                                        f"for this grad buffer at bucket size {bucket_size} (from Megatron-LM's "
+                                        f"args overlap_grad_reduce / ddp_bucket_size; None without them)")
         placed, numel = layouts[bucket]
         if (numel,) != tuple(tmd.size):
             raise LayoutMismatchError(
                 f"{root}: {key} holds {tuple(tmd.size)} elements but the rules give {numel} for tp_rank={tp_rank} "
-                f"pp_rank={pp_rank} ep_rank={ep_rank} vp_stage={g} ({len(params)} params)")
+                f"pp_rank={pp_rank} ep_rank={ep_rank} grad buffer {g} ({param_dtype}, {len(params)} params)")
         kind = STATE_KINDS[m.group(6)]
         out = []
         for c in tmd.chunks:
@@ -710,6 +806,9 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     arch = source_arch(source, model_config)
     m = source.meta if source.format == FORMAT else {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
+    check_padded_vocab(source, arch, tp)
+    state = target_training_state(m, layout)
+    it = iteration_dir_name(state["common"].get("iteration") or 0)
     src = source.by_key()
     fp32_params = all(e.dtype == "float32" for e in source.entries if e.key.kind is Kind.PARAM)
     kinds = [Kind.PARAM] + [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
@@ -724,13 +823,14 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     if ep > 1 and not moe:
         raise PlanError(f"target ep={ep} but the {arch.architecture} model has no experts")
     dtype = m.get("model_dtype", "float32")
+    dtypes = param_dtypes(source, arch, dtype)
     work = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
     dcp_tensors = []
     for rule in stored_rules(arch):  # tied embeddings: Megatron loads the last stage's copy from the embedding
         shape = stacked_shape(rule, arch, tp)
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
         keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, chained),
-                 dtype if kind is Kind.PARAM else "float32") for kind in kinds]
+                 dtypes[rule.key] if kind is Kind.PARAM else "float32") for kind in kinds]
         dcp_tensors += [[dkey, list(shape), dt] for _, dkey, dt in keys]
         for pp_rank in range(pp):
             for tp_rank in range(tp):
@@ -745,28 +845,73 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     load: dict[int, int] = defaultdict(int)
     per_rank: dict[int, list[TargetBuffer]] = defaultdict(list)
     entries: dict[TensorKey, list[ChunkRef]] = defaultdict(list)
+    entry_dtype: dict[TensorKey, str] = {}
     for nbytes, _, ranks, rule, kind, dkey, o, n in sorted(work, key=lambda w: (-w[0], w[1])):
         rank = min(ranks, key=lambda r: (load[r], r))
         load[rank] += nbytes
         bkey = (dkey, *o)
-        file = f"__{rank}_0.distcp"
-        per_rank[rank].append(TargetBuffer(key=bkey, shape=n, dtype=dtype if kind is Kind.PARAM else "float32"))
+        file = f"{it}/__{rank}_0.distcp"
+        dt = dtypes[rule.key] if kind is Kind.PARAM else "float32"
+        per_rank[rank].append(TargetBuffer(key=bkey, shape=n, dtype=dt))
         for pc in box_pieces(rule, arch, o, n):
-            entries[TensorKey(name=pc.name, kind=kind)].append(
+            key = TensorKey(name=pc.name, kind=kind)
+            entry_dtype[key] = dt
+            entries[key].append(
                 ChunkRef(file=file, key=bkey, offsets=pc.offsets, lengths=pc.lengths, storage_offset=pc.storage_offset))
     shapes = dict(canonical_tensors(arch))
     out = []
     for key, chunks in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind))):
-        dt = dtype if key.kind is Kind.PARAM else "float32"
-        out.append(TensorEntry(key=key, shape=shapes[key.name], dtype=dt, chunks=tuple(chunks)))
-    files = tuple(TargetFile(path=f"__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
+        out.append(TensorEntry(key=key, shape=shapes[key.name], dtype=entry_dtype[key], chunks=tuple(chunks)))
+    files = tuple(TargetFile(path=f"{it}/__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
                   for r in sorted(per_rank))
+    if m.get("opt_param_scheduler") is not None:  # a legacy source keeps it beside its common state
+        state["common"].setdefault("opt_param_scheduler", m["opt_param_scheduler"])
+    state["common"] = target_common(state["common"], arch, layout, chained=chained)
     meta = {**m, "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
             "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
-            **target_training_state(m, layout)}
+            "iteration_dir": it, **state}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
-    return TargetSpec(index=index, files=files, commit=(".metadata", "metadata.json"))
+    return TargetSpec(index=index, files=files, commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE))
+
+
+def param_dtypes(source: CheckpointIndex, arch: ArchSpec, default: str) -> dict[str, str]:
+    """The dtype of each Megatron model key's weights in `source` (its first canonical tensor's; `default`
+    where the source holds none): a bf16 run may keep some weights in fp32 (e.g. norms), and Megatron-Core
+    puts those in a grad buffer of their own."""
+    params = {e.key.name: e.dtype for e in source.entries if e.key.kind is Kind.PARAM}
+    out = {}
+    for rule in stored_rules(arch):
+        seg = segments(rule, arch)[0]
+        name = canonical_name(rule, seg, None if rule.scope == "model" else 0, 0 if rule.scope == "expert" else None)
+        out[rule.key] = params.get(name, default)
+    if arch.tied_embeddings:
+        out[OUTPUT_KEY] = out["embedding.word_embeddings.weight"]
+    return out
+
+
+def check_padded_vocab(source: CheckpointIndex, arch: ArchSpec, tp: int) -> None:
+    """Refuse a target TP whose vocabulary padding differs from the source's when the source's unpadded
+    vocabulary size is unknown (Megatron-LM's args record only the padded one)."""
+    if source.meta.get("vocab_padded") and arch.padded_vocab(tp) != arch.vocab_size:
+        raise PlanError(f"{source.root}: Megatron-LM's args hold padded_vocab_size={arch.vocab_size} but not the "
+                        f"unpadded vocab size; at tp={tp} Megatron-LM pads to a multiple of "
+                        f"{arch.make_vocab_size_divisible_by}*{tp} ({arch.padded_vocab(tp)} rows): pass "
+                        f"--model-config with the tokenizer's vocab_size, or a tp that keeps {arch.vocab_size}")
+
+
+def target_common(common: Mapping[str, Any], arch: ArchSpec, layout: ParallelLayout, *, chained: bool
+                  ) -> dict[str, Any]:
+    """The target's common state: Megatron-LM's `args` (when the source had them) rewritten for `layout`, and
+    the `content_metadata` Megatron-LM's `load_checkpoint` decides by (fully_reshardable; the chained expert
+    optimizer's keys keep their `chained_` prefix)."""
+    out = dict(common)
+    if out.get("args") is not None:
+        out["args"] = target_args(out["args"], arch, layout, ckpt_format="torch_dist", fully_reshardable=True)
+    out["content_metadata"] = {"distrib_optim_sharding_type": "fully_reshardable",
+                               "distrib_optim_fully_reshardable_mem_efficient": False,
+                               "singleton_local_shards": False, "chained_optim_avoid_prefix": not chained}
+    return out
 
 
 def target_optimizer_groups(groups: list[Any], *, chained: bool) -> list[Any]:
@@ -874,6 +1019,7 @@ class MegatronWriter:
                                                            TensorStorageMetadata)
 
         shapes = {k: (tuple(shape), dt) for k, shape, dt in meta["dcp_tensors"]}
+        it = meta["iteration_dir"]
         sd_meta: dict[str, Any] = {}
         storage = {}
         for rec in records:
@@ -887,7 +1033,7 @@ class MegatronWriter:
                 else:
                     sd_meta[fqn] = BytesStorageMetadata()
                     idx = MetadataIndex(fqn=fqn)
-                storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
+                storage[idx] = _StorageInfo(relative_path=rec.path.removeprefix(f"{it}/"), offset=start, length=length)
         md = Metadata(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
         common = dict(meta["common"])
@@ -898,9 +1044,11 @@ class MegatronWriter:
         torch.save(common, buf)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}
-        files = {".metadata": pickle.dumps(md), "common.pt": buf.getvalue(), "metadata.json": json.dumps(backend)}
+        files = {f"{it}/.metadata": pickle.dumps(md), f"{it}/common.pt": buf.getvalue(),
+                 f"{it}/metadata.json": json.dumps(backend)}
         if meta.get("state_report"):
             files[STATE_REPORT_FILE] = json.dumps(meta["state_report"], indent=1).encode()
+        files[TRACKER_FILE] = str(int(it.removeprefix("iter_")))  # last: Megatron-LM's commit point
         return files
 
 
@@ -908,7 +1056,7 @@ class MegatronWriter:
 
 def _read(path: Path, opts: Any) -> CheckpointIndex:
     return read_megatron(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.tp, expect_pp=opts.pp,
-                         expect_ep=opts.ep, expect_dp=opts.dp)
+                         expect_ep=opts.ep, expect_dp=opts.dp, model_config=opts.model_config)
 
 
 def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:

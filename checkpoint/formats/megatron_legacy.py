@@ -34,14 +34,17 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
-from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LocalParam, bucket_layout, canonical_train_state,
+from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
+                                         bucket_layout, canonical_train_state, check_padded_vocab, grad_buffers,
+                                         iteration_dir_name, param_dtypes,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
                                          target_training_state, target_vpp)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
-from checkpoint.rules.megatron import ArchSpec, arch_from_config, canonical_tensors, expert_range, stage_layers
+from checkpoint.rules.megatron import ArchSpec, canonical_tensors, expert_range, stage_layers
+from checkpoint.formats.megatron_args import args_summary, as_mapping
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
 from checkpoint.state.training_state import STATE_REPORT_FILE
 
@@ -140,24 +143,6 @@ def _layout_from(args: Any, dirs: Mapping[str, Path], state: Mapping[str, Any], 
     return {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp, "dp": None if dp is None else int(dp)}
 
 
-def _arch_from(state: Mapping[str, Any], where: Path) -> ArchSpec:
-    model = (state.get("migrate") or {}).get("model")
-    if isinstance(model, Mapping):
-        return _untied(ArchSpec.from_dict(dict(model)), str(where))
-    a = vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else None
-    if a is None:
-        raise CheckpointFormatError(f"{where}: neither migrate.model nor Megatron-LM args; the architecture is unknown")
-    arch = "mixtral" if a.get("num_experts") else ("llama" if a.get("swiglu") else "gpt")
-    heads = int(a["num_attention_heads"])
-    cfg = {"architecture": arch, "num_layers": a["num_layers"], "hidden_size": a["hidden_size"],
-           "ffn_hidden_size": a["ffn_hidden_size"], "num_attention_heads": heads,
-           "num_query_groups": a.get("num_query_groups") if a.get("group_query_attention") else heads,
-           "vocab_size": a.get("vocab_size") or a["padded_vocab_size"], "num_experts": a.get("num_experts") or 0,
-           "make_vocab_size_divisible_by": a.get("make_vocab_size_divisible_by", 128),
-           "tied_embeddings": not a.get("untie_embeddings_and_output_weights", False)}
-    return _untied(arch_from_config(cfg, where=f"{where}: args"), str(where))
-
-
 def _load(path: Path, trust: bool) -> Any:
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: file is missing (a rank's legacy checkpoint file)")
@@ -166,7 +151,8 @@ def _load(path: Path, trust: bool) -> Any:
 
 def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, expect_tp: int | None = None,
                          expect_pp: int | None = None, expect_ep: int | None = None,
-                         expect_dp: int | None = None) -> CheckpointIndex:
+                         expect_dp: int | None = None, model_config: Mapping[str, Any] | None = None
+                         ) -> CheckpointIndex:
     """Index a legacy checkpoint: every rank file is opened with mmap (pickles read, tensor data left on disk).
 
     Raises CheckpointFormatError naming the file for a missing/truncated rank file or a tensor the rules do not
@@ -182,7 +168,8 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
         if want is not None and layout[name] is not None and want != layout[name]:
             raise LayoutMismatchError(f"{root}: declared {name}={want} but the checkpoint was saved at "
                                       f"{name}={layout[name]}")
-    arch = _arch_from(head, first)
+    arch, overridden = arch_of_common(head, first, model_config)
+    arch = _untied(arch, str(first))
     tp, pp, ep, vpp = layout["tp"], layout["pp"], layout["ep"], layout["vpp"]
     acc: dict[TensorKey, tuple[str, list[ChunkRef]]] = {}
     shapes = dict(canonical_tensors(arch))
@@ -208,8 +195,10 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
                                            for st in state["rng_state"]]
                 if (root / optim_rel).is_file():
                     sharding = "dp_zero"
+                    dtypes = {lp.rule.key: dtype_name(state["model" if len(params) == 1 else f"model{v}"][name].dtype)
+                              for v, chunk in enumerate(params) for name, lp in chunk}
                     found = _index_distrib_optim(arch, _load(root / optim_rel, trust_checkpoint), layout, t, p, e,
-                                                 root / optim_rel, optim_rel, put)
+                                                 root / optim_rel, optim_rel, put, dtypes)
                     if (t, p, e) == (0, 0, 0):
                         groups = _distopt_groups(state.get("optimizer"), found, root / model_rel)
                 elif isinstance(state.get("optimizer"), Mapping) and "fp32_from_fp16_params" in state["optimizer"]:
@@ -233,7 +222,8 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
         entry = TensorEntry(key=key, shape=shapes[key.name], dtype=dtype, chunks=tuple(chunks))
         entry.check_complete()
         entries.append(entry)
-    common = {k: head[k] for k in ("iteration", "checkpoint_version", "migrate") if k in head}
+    common = {k: head[k] for k in ("iteration", "checkpoint_version", "migrate", "args",
+                                   "num_floating_point_operations_so_far") if k in head}
     rng = None
     if rng_objects:
         dp = layout["dp"] or max(len(v) for v in rng_objects.values())
@@ -243,7 +233,8 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
     params_dtype = next((e.dtype for e in entries if e.key.kind is Kind.PARAM), "float32")
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout, "sharding": sharding,
             "common": common, "optimizer_groups": groups, "iteration": head.get("iteration"),
-            "model_dtype": params_dtype, "args": _plain_args(head.get("args")),
+            "model_dtype": params_dtype, "args": _plain_args(head.get("args")), "arch_overrides": overridden,
+            "megatron_args": args_summary(head.get("args")),
             "opt_param_scheduler": head.get("opt_param_scheduler"),
             "train_state": canonical_train_state(arch, common, groups, rng)}
     files = tuple(sorted({c.file for e in entries for c in e.chunks}))
@@ -312,8 +303,9 @@ def _buffer_states(raw: Any, where: Path) -> list[tuple[int, Any]]:
 
 
 def _index_distrib_optim(arch: ArchSpec, raw: Any, layout: Mapping[str, int], t: int, p: int, e: int, where: Path,
-                         rel: str, put: Any) -> int:
-    """Index `distrib_optim.pt` of one rank dir; returns how many chained optimizers it describes."""
+                         rel: str, put: Any, dtypes: Mapping[str, str]) -> int:
+    """Index `distrib_optim.pt` of one rank dir (`dtypes`: the stored dtype per model key of its model file,
+    which decides the grad buffers); returns how many chained optimizers it describes."""
     tp, pp, ep, vpp = layout["tp"], layout["pp"], layout["ep"], layout["vpp"]
     states = _buffer_states(raw, where)
     moe = arch.num_experts > 0
@@ -324,13 +316,18 @@ def _index_distrib_optim(arch: ArchSpec, raw: Any, layout: Mapping[str, int], t:
             raise CheckpointFormatError(f"{where}: pre-2024 (uncoalesced) distributed optimizer format is not "
                                         f"supported")
         experts = moe and len(states) > 1 and chain == 1
-        for g in range(vpp):
+        buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e,
+                               experts=experts)
+        for g, (param_dtype, params, _) in enumerate(buffers):
             if g not in st or not isinstance(st[g], Mapping) or len(st[g]) != 1:
                 raise CheckpointFormatError(f"{where}: optimizer {chain} has no single-dtype grad buffer {g} "
-                                            f"(keys {sorted(map(str, st))})")
+                                            f"(keys {sorted(map(str, st))}; {len(buffers)} buffer(s) for "
+                                            f"{vpp} model chunk(s), one per param dtype)")
             dkey, bufs = next(iter(st[g].items()))
-            params = domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, vp_stage=g,
-                                   ep_rank=e, experts=experts)
+            saved = dtype_name(dkey[0]) if isinstance(dkey, tuple) and dkey else str(dkey)
+            if saved != param_dtype:
+                raise CheckpointFormatError(f"{where}: optimizer {chain} grad buffer {g} is keyed {dkey} but the model "
+                                            f"file's weights give {param_dtype} params for it")
             placed, numel = bucket_layout(params)
             got = int(bufs.get("numel_unpadded", -1))
             sizes = {k: tuple(bufs[k].shape) for k in STATE_KINDS if isinstance(bufs.get(k), torch.Tensor)}
@@ -438,14 +435,19 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
         raise PlanError(f"source {source.root} holds no Adam moments; a DistributedOptimizer checkpoint needs them")
     if not m.get("optimizer_groups") or "common" not in m:
         raise PlanError(f"source {source.root} ({source.format}) lacks Megatron optimizer param groups / common state")
+    check_padded_vocab(source, arch, tp)
     dtype = m.get("model_dtype", "float32")
+    dtypes = param_dtypes(source, arch, dtype)
+    state = target_training_state(m, layout)
+    iteration = int(state["common"].get("iteration") or 0)
+    it = iteration_dir_name(iteration)
     entries: dict[TensorKey, list[ChunkRef]] = defaultdict(list)
     files = []
     rank_meta = {}
     for t in range(tp):
         for p in range(pp):
             for e in range(ep):
-                rel = rank_dir(tp_rank=t, pp_rank=p, ep_rank=e, pp=pp, ep=ep)
+                rel = f"{it}/{rank_dir(tp_rank=t, pp_rank=p, ep_rank=e, pp=pp, ep=ep)}"
                 writer = layout.rank_of(tp=t, dp=e, pp=p)  # DP rank e: the (expert) DP rank 0 of EP rank e
                 model_bufs, chunk_names = [], []
                 for v in range(vpp):
@@ -453,7 +455,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                     names = []
                     for name, lp in local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
                                                  ep_rank=e, vp_stage=v):
-                        model_bufs.append(TargetBuffer(key=(mkey, name), shape=lp.shape, dtype=dtype))
+                        model_bufs.append(TargetBuffer(key=(mkey, name), shape=lp.shape, dtype=dtypes[lp.rule.key]))
                         names.append(name)
                         for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{MODEL_FILE}", (mkey, name)):
                             entries[TensorKey(name=cname, kind=Kind.PARAM)].append(ref)
@@ -467,18 +469,19 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                         layout_meta.append(None)
                         continue
                     per_gbuf = []
-                    for g in range(vpp):
-                        params = domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, vp_stage=g,
-                                               ep_rank=e, experts=experts)
+                    buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
+                                           ep_rank=e, experts=experts)
+                    for g, (param_dtype, params, _) in enumerate(buffers):
                         placed, numel = bucket_layout(params)
                         path = (chain,) if chained else ()
+                        dkey = (getattr(torch, param_dtype), torch.float32)  # (param, grad) dtype: grads in fp32
                         for name, kind in STATE_KINDS.items():
-                            key = (*path, g, _DTYPE_KEY, name)
+                            key = (*path, g, dkey, name)
                             optim_bufs.append(TargetBuffer(key=key, shape=(numel,), dtype="float32"))
                             for lp, start in placed:
                                 for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{OPTIM_FILE}", key, start):
                                     entries[TensorKey(name=cname, kind=kind)].append(ref)
-                        per_gbuf.append(numel)
+                        per_gbuf.append((numel, dkey))
                     layout_meta.append(per_gbuf)
                 files.append(TargetFile(path=f"{rel}/{OPTIM_FILE}", role="distrib_optim", rank=writer,
                                         buffers=tuple(optim_bufs)))
@@ -487,20 +490,17 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     out = [TensorEntry(key=k, shape=shapes[k.name], dtype=dtype if k.kind is Kind.PARAM else "float32",
                        chunks=tuple(c))
            for k, c in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind)))]
-    state = target_training_state(m, layout)
     if state.get("state_report"):  # what the conversion did with each training state, for the resume stage
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
-    iteration = int(state["common"].get("iteration") or 0)
+    files.append(TargetFile(path=TRACKER_FILE, role="tracker", rank=None))
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, "tp": tp, "pp": pp, "dp": dp,
             "ep": ep, "vpp": vpp, "chained": chained, "ranks": rank_meta,
             "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
-            "args": legacy_args(arch, layout, m.get("args"), iteration=iteration, dtype=dtype),
+            "args": legacy_args(arch, layout, as_mapping(m["common"].get("args")) or m.get("args"),
+                                iteration=iteration, dtype=dtype),
             "opt_param_scheduler": m.get("opt_param_scheduler"), "source_root": source.root, **state}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
-    return TargetSpec(index=index, files=tuple(files))
-
-
-_DTYPE_KEY = (torch.float32, torch.float32)  # Megatron-Core keys each grad buffer's state by (param, grad) dtype
+    return TargetSpec(index=index, files=tuple(files), commit=(TRACKER_FILE,))
 
 
 class MegatronLegacyWriter:
@@ -512,6 +512,8 @@ class MegatronLegacyWriter:
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
+        if file.role == "tracker":  # Megatron-LM's commit point, written last
+            return str(int(meta["common"].get("iteration") or 0))
         rel = file.path.rsplit("/", 1)[0]
         rank = meta["ranks"][rel]
         if file.role == "model":
@@ -540,12 +542,13 @@ def _model_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor], me
             if isinstance(pg.get("betas"), list):
                 pg["betas"] = tuple(pg["betas"])
     state["optimizer"] = groups[0] if len(groups) == 1 else groups
-    if meta.get("opt_param_scheduler") is not None:
-        state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+    scheduler = meta.get("opt_param_scheduler") or common.get("opt_param_scheduler")
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler
     grid = {(pp_rank, tp_rank): states for pp_rank, tp_rank, states in meta.get("rng_objects") or ()}
     if grid:
         state["rng_state"] = [to_megatron(st) for st in grid[(rank["pp_rank"], rank["tp_rank"])]]
-    state["num_floating_point_operations_so_far"] = 0
+    state["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0)
     state["migrate"] = {**dict(common.get("migrate") or {}), "layout": {"tp": meta["tp"], "pp": meta["pp"],
                                                                       "vpp": meta["vpp"], "ep": meta["ep"],
                                                                       "dp": meta["dp"]}}
@@ -561,9 +564,9 @@ def _optim_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor]) ->
             continue
         path = (chain,) if chained else ()
         st: dict[Any, Any] = {"buckets_coalesced": True}
-        for g, numel in enumerate(numels):
-            st[g] = {_DTYPE_KEY: {**{name: buffers[(*path, g, _DTYPE_KEY, name)] for name in STATE_KINDS},
-                                  "numel_unpadded": numel}}
+        for g, (numel, dkey) in enumerate(numels):
+            st[g] = {dkey: {**{name: buffers[(*path, g, dkey, name)] for name in STATE_KINDS},
+                            "numel_unpadded": numel}}
         out.append(st)
     return out if chained else out[0]
 
@@ -572,7 +575,7 @@ def _optim_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor]) ->
 
 def _read(path: Path, opts: Any) -> CheckpointIndex:
     return read_megatron_legacy(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.tp, expect_pp=opts.pp,
-                                expect_ep=opts.ep, expect_dp=opts.dp)
+                                expect_ep=opts.ep, expect_dp=opts.dp, model_config=opts.model_config)
 
 
 def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:

@@ -57,8 +57,9 @@ def read_model_config(path: Path) -> dict[str, Any]:
                    "default: --workers local processes")
 @click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the source's)")
 @click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="the architecture for --to megatron when the source does not record it: an HF config.json "
-                   "(llama/mixtral/gpt2 keys) or a job YAML (its model section)")
+              help="the architecture when the source does not record it, or to override what it records (each "
+                   "overridden field is named): an HF config.json (llama/mixtral/gpt2 keys) or a job YAML (its "
+                   "model section)")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
 @click.option("--follow-symlinks", is_flag=True,
               help="read through symbolic links that lead outside the source checkpoint (refused by default)")
@@ -94,6 +95,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             click.echo(f"interrupted: {dst} holds an unfinished conversion; rerun the same command with --resume "
                        f"to finish it, or with --overwrite to start over", err=True)
             sys.exit(130)
+    for field in outcome.plan.source.meta.get("arch_overrides") or ():
+        click.echo(f"--model-config overrides the checkpoint's {field}")
     click.echo(summarize(outcome.plan))
     if outcome.result is None:
         return

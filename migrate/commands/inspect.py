@@ -33,14 +33,18 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "bytes": index.nbytes,
         "files": len(index.files),
         "dtypes": index.dtypes(),
-        "model_dtype": meta.get("dtype"),
-        "global_step": meta.get("global_steps"),
+        "model_dtype": meta.get("dtype") or meta.get("model_dtype"),
+        "global_step": meta.get("global_steps") if meta.get("global_steps") is not None else meta.get("iteration"),
         "optimizer_steps": len(steps) > 0,
         "state": {k: kinds.get(str(k), 0) for k in Kind},
         "lr_scheduler": ((meta.get("model_state") or {}).get("lr_scheduler")
                          or (meta.get("train_state") or {}).get("lr_scheduler")) is not None,
         "tied_params": dict(meta.get("shared_params") or {}),
         "frozen_params": [name for name, _ in meta.get("frozen_params") or ()],
+        "optimizer_sharding": meta.get("sharding"),
+        "architecture": meta.get("arch"),
+        "architecture_overrides": list(meta.get("arch_overrides") or ()),
+        "megatron_args": dict(meta.get("megatron_args") or {}),
     }
 
 
@@ -57,7 +61,21 @@ def render(info: dict[str, Any]) -> str:
         f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",
         f"  step        {info['global_step']}",
         f"  state       {state}; lr scheduler {'yes' if info['lr_scheduler'] else 'no'}",
-    ] + _tied_and_frozen_lines(info))
+    ] + _architecture_lines(info) + _tied_and_frozen_lines(info))
+
+
+def _architecture_lines(info: dict[str, Any]) -> list[str]:
+    lines = []
+    if info["optimizer_sharding"]:
+        lines.append(f"  optimizer   {info['optimizer_sharding']}")
+    if arch := info["architecture"]:
+        lines.append("  model       " + " ".join(f"{k}={v}" for k, v in arch.items()))
+    if info["architecture_overrides"]:
+        lines.append(f"  overridden  by --model-config: {'; '.join(info['architecture_overrides'])}")
+    if args := info["megatron_args"]:
+        items = [f"{k}={v}" for k, v in args.items()]
+        lines.append("  megatron-lm " + "\n              ".join(" ".join(items[i:i + 6]) for i in range(0, len(items), 6)))
+    return lines
 
 
 def _tied_and_frozen_lines(info: dict[str, Any]) -> list[str]:

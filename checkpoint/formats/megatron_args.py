@@ -1,0 +1,202 @@
+"""Megatron-LM's `args` (the run's argparse.Namespace its checkpoints hold): architecture, layout, rewrite.
+
+Megatron-LM's `generate_state_dict` stores the whole Namespace under `args` in `common.pt` (torch_dist) and in
+each `model_optim_rng.pt` (legacy). It is the source of truth for what the run was: the rules' architecture
+(`arch_from_args`), the saved layout (`layout_from_args`), and what `inspect` shows (`args_summary`). A
+converted checkpoint carries the source's Namespace with the layout fields rewritten for the target
+(`target_args`), which is what Megatron-LM's `load_checkpoint` reads back (TP/PP to decide whether RNG and
+the optimizer sharding fit, `consumed_train_samples` to resume the data position). Pure functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from checkpoint.errors import CheckpointFormatError
+from checkpoint.layout import ParallelLayout
+from checkpoint.rules.megatron import ArchSpec
+
+# What `inspect` shows of a Megatron-LM run, in this order (fields the Namespace lacks are left out)
+SUMMARY_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "kv_channels", "swiglu", "normalization", "norm_epsilon", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size",
+    "make_vocab_size_divisible_by", "position_embedding_type", "rotary_base", "rotary_percent", "seq_length",
+    "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size", "world_size",
+    "use_distributed_optimizer", "overlap_grad_reduce", "ddp_bucket_size", "ckpt_format", "params_dtype", "micro_batch_size", "global_batch_size",
+    "consumed_train_samples", "iteration", "train_iters",
+)
+_REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
+             "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def as_mapping(args: Any) -> dict[str, Any] | None:
+    """The fields of a saved `args` (a Namespace, or a plain dict of one); None when it is neither."""
+    if isinstance(args, argparse.Namespace):
+        return dict(vars(args))
+    if isinstance(args, Mapping):
+        return dict(args)
+    return None
+
+
+def _unsupported(a: Mapping[str, Any]) -> list[str]:
+    """The features of the run the tensor rules do not map yet, each with its field and value."""
+    heads, hidden = int(a["num_attention_heads"]), int(a["hidden_size"])
+    out = []
+    checks = (
+        ("add_bias_linear", bool(a.get("add_bias_linear", True)), "linear-layer biases"),
+        ("add_qkv_bias", bool(a.get("add_qkv_bias", False)), "QKV biases"),
+        ("qk_layernorm", bool(a.get("qk_layernorm", False)), "QK layernorm"),
+        ("multi_latent_attention", bool(a.get("multi_latent_attention", False)), "multi-latent attention"),
+        ("mtp_num_layers", bool(a.get("mtp_num_layers")), "multi-token-prediction layers"),
+        ("moe_shared_expert_intermediate_size", bool(a.get("moe_shared_expert_intermediate_size")), "shared experts"),
+        ("position_embedding_type", a.get("position_embedding_type", "learned_absolute") == "learned_absolute",
+         "learned absolute position embeddings (embedding.position_embeddings.weight)"),
+        ("context_parallel_size", int(a.get("context_parallel_size") or 1) > 1, "context parallelism"),
+    )
+    out += [f"{field}={a.get(field)!r} ({what})" for field, bad, what in checks if bad]
+    kv = a.get("kv_channels")
+    if kv is not None and int(kv) * heads != hidden:
+        out.append(f"kv_channels={kv} with num_attention_heads={heads} and hidden_size={hidden} (a head size other "
+                   f"than hidden_size / heads)")
+    if a.get("num_experts"):
+        moe_ffn = a.get("moe_ffn_hidden_size")
+        if moe_ffn is not None and int(moe_ffn) != int(a["ffn_hidden_size"]):
+            out.append(f"moe_ffn_hidden_size={moe_ffn} != ffn_hidden_size={a['ffn_hidden_size']} (expert FFN size)")
+        freq = a.get("moe_layer_freq", 1)
+        if freq not in (1, None):
+            out.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
+        etp = a.get("expert_tensor_parallel_size")
+        if etp is not None and int(etp) != int(a["tensor_model_parallel_size"]):
+            out.append(f"expert_tensor_parallel_size={etp} != tensor_model_parallel_size="
+                       f"{a['tensor_model_parallel_size']}")
+    return out
+
+
+def arch_from_args(args: Any, *, where: str) -> ArchSpec:
+    """The rules' architecture of a Megatron-LM run from its saved `args`.
+
+    SwiGLU + RMSNorm is the llama family (mixtral with `num_experts`), GELU + LayerNorm the gpt family, both
+    with rotary positions and no linear biases. The vocabulary is `vocab_size` when the run set it, else the
+    padded size (the padding rows are then carried as rows). Raises CheckpointFormatError naming `where` and
+    every missing field, or every feature the rules do not map yet."""
+    a = as_mapping(args)
+    if a is None:
+        raise CheckpointFormatError(f"{where}: args is {type(args).__name__}, not Megatron-LM's argparse.Namespace")
+    missing = [f for f in _REQUIRED if a.get(f) is None]
+    if missing:
+        raise CheckpointFormatError(f"{where}: Megatron-LM args lack {', '.join(missing)}; the architecture and "
+                                    f"layout are read from them (or pass --model-config)")
+    unsupported = _unsupported(a)
+    norm = str(a.get("normalization", "LayerNorm"))
+    swiglu = bool(a.get("swiglu", False))
+    if (swiglu, norm) not in ((True, "RMSNorm"), (False, "LayerNorm")):
+        unsupported.append(f"swiglu={swiglu} with normalization={norm!r} (the rules know SwiGLU + RMSNorm and "
+                           f"GELU + LayerNorm)")
+    if unsupported:
+        raise CheckpointFormatError(f"{where}: the run uses {'; '.join(unsupported)}: no tensor rules for it yet")
+    heads = int(a["num_attention_heads"])
+    experts = int(a.get("num_experts") or 0)
+    family = ("mixtral" if experts else "llama") if swiglu else "gpt"
+    if family == "gpt" and experts:
+        raise CheckpointFormatError(f"{where}: num_experts={experts} with GELU + LayerNorm: no rules for a GPT MoE")
+    groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
+    try:
+        return ArchSpec(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
+                        ffn_hidden_size=int(a["ffn_hidden_size"]), num_attention_heads=heads, num_query_groups=groups,
+                        vocab_size=int(a.get("vocab_size") or a["padded_vocab_size"]), num_experts=experts,
+                        make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by") or 128),
+                        tied_embeddings=not bool(a.get("untie_embeddings_and_output_weights", False)))
+    except (TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"{where}: args: {err}") from None
+
+
+def vocab_is_padded(args: Any) -> bool:
+    """Whether the rules' vocabulary is the padded size because the run did not record `vocab_size`."""
+    a = as_mapping(args) or {}
+    return not a.get("vocab_size")
+
+
+def layout_from_args(args: Any, *, where: str) -> dict[str, int]:
+    """tp, pp, vpp, ep and dp of the run that saved `args` (dp from data_parallel_size, else the world size
+    over tp * pp * cp); raises CheckpointFormatError naming a missing or inconsistent field."""
+    a = as_mapping(args) or {}
+    try:
+        tp, pp = int(a["tensor_model_parallel_size"]), int(a["pipeline_model_parallel_size"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointFormatError(f"{where}: no tensor_model_parallel_size / pipeline_model_parallel_size "
+                                    f"(have {a.get('tensor_model_parallel_size')!r}, "
+                                    f"{a.get('pipeline_model_parallel_size')!r})") from None
+    vpp = a.get("virtual_pipeline_model_parallel_size")
+    per_stage = a.get("num_layers_per_virtual_pipeline_stage")
+    if not vpp and per_stage:
+        vpp = int(a["num_layers"]) // pp // int(per_stage)
+    cp = int(a.get("context_parallel_size") or 1)
+    dp = a.get("data_parallel_size")
+    world = a.get("world_size")
+    if dp is None and world:
+        dp = int(world) // (tp * pp * cp)
+    if dp is not None and world and int(dp) * tp * pp * cp != int(world):
+        raise CheckpointFormatError(f"{where}: data_parallel_size={dp} but world_size={world} / "
+                                    f"(tp={tp} * pp={pp} * cp={cp}) = {int(world) / (tp * pp * cp):g}")
+    return {"tp": tp, "pp": pp, "vpp": int(vpp or 1), "ep": int(a.get("expert_model_parallel_size") or 1),
+            "dp": None if dp is None else int(dp)}
+
+
+def grad_bucket_size(args: Any, *, dp: int, where: str) -> int | None:
+    """The DDP grad-bucket size (elements) of the run's first model chunk on pipeline rank 0, as Megatron-LM's
+    `resolve_ddp_bucket_size` sets it: None (one bucket per grad buffer) without --overlap-grad-reduce, else
+    --ddp-bucket-size or max(40M, 1M * dp). Other chunks and pipeline ranks are never bucketed."""
+    a = as_mapping(args) or {}
+    if not a.get("overlap_grad_reduce") or a.get("overlap_param_gather_with_optimizer_step"):
+        return None
+    if a.get("ddp_num_buckets"):
+        raise CheckpointFormatError(f"{where}: ddp_num_buckets={a['ddp_num_buckets']} (buckets sized from the "
+                                    f"parameter count) is not read yet; --ddp-bucket-size is")
+    return int(a.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+
+
+def args_summary(args: Any) -> dict[str, Any]:
+    """The fields `inspect` shows, as plain values (dtypes and enums by name)."""
+    a = as_mapping(args) or {}
+    return {f: _plain(a[f]) for f in SUMMARY_FIELDS if f in a}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return getattr(value, "name", None) or str(value)
+
+
+def target_args(args: Any, arch: ArchSpec, layout: ParallelLayout, *, ckpt_format: str,
+                fully_reshardable: bool) -> argparse.Namespace:
+    """The source run's Namespace for a checkpoint at `layout`: every field kept but the parallel sizes, world
+    size, padded vocabulary, checkpoint format and optimizer-sharding flags (the distributed optimizer is on:
+    the writers emit its state); `consumed_train_samples` and the schedule are the source's."""
+    a = as_mapping(args) or {}
+    a |= {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+          "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+          "num_layers_per_virtual_pipeline_stage": None, "expert_model_parallel_size": layout.ep,
+          "expert_tensor_parallel_size": layout.tp, "data_parallel_size": layout.dp, "world_size": layout.world_size,
+          "padded_vocab_size": arch.padded_vocab(layout.tp), "use_distributed_optimizer": True,
+          "ckpt_format": ckpt_format, "use_dist_ckpt": ckpt_format != "torch",
+          "dist_ckpt_optim_fully_reshardable": fully_reshardable}
+    if layout.tp == 1:
+        a["sequence_parallel"] = False  # Megatron-LM turns it off at tp 1 itself
+    return argparse.Namespace(**a)
+
+
+def overrides(args_arch: ArchSpec, given: ArchSpec) -> list[str]:
+    """`field: args value -> given value` for each field a --model-config changes (empty when they agree)."""
+    return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in ArchSpec.__dataclass_fields__
+            if getattr(args_arch, f) != getattr(given, f)]

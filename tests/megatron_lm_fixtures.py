@@ -1,0 +1,409 @@
+"""Checkpoints written the way Megatron-LM writes them, and Megatron-LM's load decisions as the judge.
+
+`save_megatron_lm(run, save_dir)` trains a tiny GPTModel with Megatron-Core's own objects (DDP, the
+DistributedOptimizer from `get_megatron_optimizer`, `OptimizerParamScheduler`) on `run.world_size` Gloo ranks
+and saves it following `megatron/training/checkpointing.py` step by step: `generate_state_dict` (`args`, the
+run's argparse.Namespace as `parse_args` builds it; `checkpoint_version` 3.0; `iteration`; `model` from
+`sharded_state_dict(metadata=...)`; `optimizer` from `optimizer.sharded_state_dict(state_dict, metadata=...)`;
+`opt_param_scheduler`; `rng_state` as `get_rng_state` collects it, NumPy's state as NumPy returns it, in a
+ShardedObject over (pp, tp) with the DP rank as replica id), `num_floating_point_operations_so_far`, then
+`dist_checkpointing.save` with the fully parallel save strategy over the DP group and `content_metadata`
+from `_build_sharded_state_dict_metadata`, and rank 0 writes `latest_checkpointed_iteration.txt` last. The
+built-in engine's own `migrate` entry is not written. Beside it, `reference/` holds the same in-memory state
+saved fully reshardable by Megatron-Core: `plain_state(reference)` (Megatron-Core's `load_plain_tensors`) is
+the source's truth.
+
+`load_megatron_lm(run, save_dir)` loads a checkpoint at `run`'s layout following `load_checkpoint`: the
+tracker file (`read_metadata`), the common state's `args` and `content_metadata`, the refusal of a TP/PP
+change for a sharding type that is not fully reshardable, RNG loaded only at the saved TP/PP, the
+`check_checkpoint_args` comparisons, `dist_checkpointing.load` of the generated state dict, then model,
+optimizer, scheduler and RNG restored. It returns per rank what was restored and saves the loaded state fully
+reshardable into `<out>` so that `plain_state(out)` compares with the source's truth tensor by tensor.
+On CPUs without Apex/TE the built-in engine's load workarounds for 0.16.1's optimizer are applied (see
+`migrate.workload.megatron_engine`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+
+# Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp; 128 rows at 64 stay 128 at
+# tp 1 and 2, so the unpadded size (which Megatron-LM's args do not record) is not needed there.
+LLAMA = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=64)
+MIXTRAL = dataclasses.replace(LLAMA, architecture="mixtral", ffn_hidden_size=96, num_experts=4, moe_top_k=2)
+FLOPS_SO_FAR = 1.25e12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronLMRun:
+    """One Megatron-LM run's layout and recipe."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    moe: bool = False
+    precision: str = "fp32"  # fp32 | bf16
+    sharding: str = "dp_reshardable"  # distrib_optim_sharding_type: dp_reshardable | fully_reshardable
+    steps: int = 2
+    global_batch_size: int = 8
+    bucket_size: int | None = None  # --overlap-grad-reduce --ddp-bucket-size N: several grad buckets per buffer
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def name(self) -> str:
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        buckets = f"_bucket{self.bucket_size}" if self.bucket_size else ""
+        return (f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{'moe_' if self.moe else ''}{self.precision}_{self.sharding}"
+                f"{buckets}")
+
+    def spec(self) -> RunSpec:
+        return RunSpec(engine="megatron", model=MIXTRAL if self.moe else LLAMA, steps=self.steps, tp=self.tp,
+                       pp=self.pp, ep=self.ep, distributed_optimizer=True, sequence_parallel=self.moe and self.tp > 1,
+                       train=TrainSpec(global_batch_size=self.global_batch_size, precision=self.precision))
+
+
+def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespace:
+    """The Namespace Megatron-LM's `parse_args` + `validate_args` build for this run (the fields its
+    checkpointing and model building read, with their types: torch dtypes, enums, None for unset)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    spec = run.spec()
+    m, t = spec.model, spec.train
+    bf16 = run.precision == "bf16"
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, group_query_attention=m.num_query_groups != m.num_attention_heads,
+        num_query_groups=m.num_query_groups, kv_channels=m.head_dim, swiglu=True, normalization="RMSNorm",
+        norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+        untie_embeddings_and_output_weights=not m.tied_embeddings, vocab_size=None,
+        padded_vocab_size=m.padded_vocab_size(run.tp), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        position_embedding_type="rope", add_position_embedding=True, rotary_base=int(m.rotary_base), rotary_percent=1.0,
+        seq_length=m.seq_length, max_position_embeddings=m.seq_length, tokenizer_type="HuggingFaceTokenizer",
+        vocab_file=None, num_experts=m.num_experts or None, moe_ffn_hidden_size=m.ffn_hidden_size if m.is_moe else None,
+        moe_router_topk=m.moe_top_k, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
+        multi_latent_attention=False, mtp_num_layers=None,
+        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.tp, context_parallel_size=1,
+        sequence_parallel=spec.sequence_parallel, data_parallel_size=run.dp, world_size=run.world_size,
+        use_distributed_optimizer=True, overlap_grad_reduce=run.bucket_size is not None, overlap_param_gather=False,
+        ddp_bucket_size=run.bucket_size, ddp_num_buckets=None, overlap_param_gather_with_optimizer_step=False,
+        ckpt_format="torch_dist", use_dist_ckpt=True, ckpt_fully_parallel_save=True,
+        dist_ckpt_optim_fully_reshardable=run.sharding == "fully_reshardable",
+        distrib_optim_fully_reshardable_mem_efficient=False, no_save_optim=None, no_save_rng=None,
+        bf16=bf16, fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float, main_grads_dtype=torch.float32,
+        accumulate_allreduce_grads_in_fp32=True, attention_backend=AttnBackend.auto,
+        model_type=ModelType.encoder_or_decoder, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, train_iters=100, consumed_train_samples=iteration * t.global_batch_size,
+        skipped_train_samples=0, consumed_valid_samples=0, lr=t.optimizer.lr, min_lr=t.optimizer.lr / 10,
+        lr_decay_style="cosine", lr_warmup_iters=0, weight_decay=t.optimizer.weight_decay,
+        adam_beta1=t.optimizer.beta1, adam_beta2=t.optimizer.beta2, adam_eps=t.optimizer.eps,
+        clip_grad=t.optimizer.clip_grad, seed=t.seed, data_parallel_random_init=False, iteration=iteration)
+
+
+# ---------------------------------------------------------------- per rank (run inside the worker group)
+
+def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
+    """Model chunks in DDP, the DistributedOptimizer and Megatron-LM's OptimizerParamScheduler at `run`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from migrate.workload.megatron_engine import _build_chunks, seed_host_rng, transformer_config
+
+    spec = run.spec()
+    ps.initialize_model_parallel(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+                                 expert_model_parallel_size=run.ep)
+    seed_host_rng(spec.train.seed)
+    model_parallel_cuda_manual_seed(spec.train.seed)
+    config = transformer_config(spec.model, spec, ctx.world_size)
+    config.batch_p2p_comm = False
+    overlap = run.bucket_size is not None
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+                                               bucket_size=run.bucket_size, use_distributed_optimizer=True)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c)
+              for c in _build_chunks(spec.model, spec, config)]
+    if overlap:  # Megatron-LM's setup: grads reduced once per step, not per micro-batch
+        config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
+    o = spec.train.optimizer
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.lr / 10, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
+        adam_eps=o.eps, clip_grad=o.clip_grad, bf16=run.precision == "bf16", params_dtype=config.params_dtype,
+        use_distributed_optimizer=True), chunks)
+    config.finalize_model_grads_func = finalize_model_grads
+    gbs = spec.train.global_batch_size
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.lr / 10,
+                                        lr_warmup_steps=gbs, lr_decay_steps=100 * gbs, lr_decay_style="cosine",
+                                        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=100 * gbs,
+                                        wd_incr_style="constant")
+    return chunks, optimizer, scheduler, spec
+
+
+def _metadata(sharding: str) -> dict[str, Any]:
+    """`_build_sharded_state_dict_metadata` for a distributed optimizer with the torch_dist format."""
+    from megatron.core import parallel_state as ps
+
+    md: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
+    if sharding == "fully_reshardable":
+        md["distrib_optim_fully_reshardable_mem_efficient"] = False
+    md |= {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+           "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    return md
+
+
+def _rng_state() -> Any:
+    """Megatron-LM's `get_rng_state` for torch_dist (data_parallel_random_init off: one state per (pp, tp))."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", [state],
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _state_dict(args: Any, chunks: list, optimizer: Any, scheduler: Any, metadata: dict, *, iteration: int,
+                rng: Any, loading: bool) -> dict[str, Any]:
+    """`generate_state_dict` for ckpt_format torch_dist, of the unwrapped model (`unwrap_model`: no DDP prefix)."""
+    from megatron.core.utils import unwrap_model
+
+    sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    model = unwrap_model(chunks)
+    if len(model) == 1:
+        sd["model"] = model[0].sharded_state_dict(metadata=metadata)
+    else:
+        for i, chunk in enumerate(model):
+            sd[f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=loading, metadata=metadata)
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    if rng is not None:
+        sd["rng_state"] = rng
+    return sd
+
+
+def _save(sd: dict[str, Any], path: str, metadata: dict) -> None:
+    """`save_checkpoint`'s torch_dist branch: fully parallel save over the DP group, content metadata."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
+                                                ps.get_data_parallel_group(with_context_parallel=True))
+    dist_checkpointing.save(sd, path, strategy, content_metadata=_clean_metadata_for_serialization(metadata))
+
+
+def _write_tracker(save_dir: str, iteration: int) -> None:
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    torch.distributed.barrier()
+
+
+def _save_reference(chunks: list, optimizer: Any, path: str) -> None:
+    """The in-memory model and optimizer state saved fully reshardable (global tensors, any layout)."""
+    from megatron.core.utils import unwrap_model
+
+    md = _metadata("fully_reshardable")
+    model = unwrap_model(chunks)
+    sd = {"model": model[0].sharded_state_dict(metadata=md)} if len(model) == 1 else {
+        f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(model)}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=False, metadata=md)
+    _save(sd, path, md)
+
+
+def _adam_steps(optimizer: Any) -> list[float]:
+    return sorted({float(s["step"]) for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+                   for s in sub.optimizer.state.values() if "step" in s})
+
+
+def _rank_save(ctx: Any, run: MegatronLMRun, save_dir: str) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.data import SamplerState
+    from migrate.workload.megatron_engine import _loop
+
+    torch.set_num_threads(1)
+    with cpu_device_adapter():
+        chunks, optimizer, scheduler, spec = _setup(ctx, run)
+        try:
+            t = spec.train
+            sampler = SamplerState(seed=t.seed, dataset_size=t.dataset_size, global_batch_size=t.global_batch_size)
+            result = _loop(ctx, spec, chunks, optimizer, sampler, 0, get_forward_backward_func())
+            for _ in range(run.steps):
+                scheduler.step(increment=t.global_batch_size)
+            md = _metadata(run.sharding)
+            path = os.path.join(save_dir, f"iter_{run.steps:07d}")
+            sd = _state_dict(megatron_lm_args(run, iteration=run.steps), chunks, optimizer, scheduler, md,
+                             iteration=run.steps, rng=_rng_state(), loading=False)
+            sd["num_floating_point_operations_so_far"] = FLOPS_SO_FAR
+            _save(sd, path, md)
+            _write_tracker(save_dir, run.steps)
+            _save_reference(chunks, optimizer, os.path.join(save_dir, "reference"))
+            return {"losses": result.losses, "adam_steps": _adam_steps(optimizer),
+                    "scheduler_num_steps": scheduler.num_steps, "lr": [g["lr"] for g in optimizer.param_groups],
+                    "pp_rank": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+        finally:
+            ps.destroy_model_parallel()
+
+
+def _checkpoint_dir(load_dir: str) -> tuple[str, int]:
+    """`read_metadata` of the tracker file: the iteration directory and its iteration."""
+    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+        text = f.read().strip()
+    iteration = int(text)
+    return os.path.join(load_dir, f"iter_{iteration:07d}"), iteration
+
+
+def _check_checkpoint_args(ckpt_args: Any, args: Any) -> None:
+    """`check_checkpoint_args` with `vocab_file` set (the comparisons a resume makes)."""
+    names = ["num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+             "make_vocab_size_divisible_by", "tokenizer_type"]
+    for name in names:
+        got, want = getattr(ckpt_args, name), getattr(args, name)
+        assert got == want, f"{name} value from checkpoint ({got}) is not equal to the input argument value ({want})."
+    assert getattr(ckpt_args, "add_position_embedding", True) == args.add_position_embedding
+
+
+def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from checkpoint.state.rng import fingerprint, from_megatron
+    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron_engine import (_keep_step_on_fully_reshardable_load, _prime_adam_state,
+                                                  _restore_adam_steps, _restore_rng, rank_rng_state,
+                                                  saved_adam_steps)
+
+    torch.set_num_threads(1)
+    with cpu_device_adapter():
+        chunks, optimizer, scheduler, spec = _setup(ctx, run)
+        try:
+            path, tracker_iteration = _checkpoint_dir(load_dir)
+            common = dist_checkpointing.load_common_state_dict(path)
+            ckpt_args = common["args"]
+            ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
+                          getattr(ckpt_args, "pipeline_model_parallel_size", 1))
+            load_rng = ckpt_tp_pp == (run.tp, run.pp)
+            content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+            sharding = content["distrib_optim_sharding_type"]
+            if not load_rng and sharding not in DistributedOptimizer.checkpoint_fully_reshardable_formats:
+                raise RuntimeError(f"(TP, PP) mismatch after resume ({(run.tp, run.pp)} vs {ckpt_tp_pp} from "
+                                   f"checkpoint): not supported for DistributedOptimizer with sharding type {sharding}")
+            args = megatron_lm_args(run, iteration=0)
+            _check_checkpoint_args(ckpt_args, args)
+            md = {**content, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            _prime_adam_state(optimizer)
+            template = _state_dict(args, chunks, optimizer, scheduler, md, iteration=0,
+                                   rng=_rng_state() if load_rng else None, loading=True)
+            template.pop("args")
+            loaded = dist_checkpointing.load(template, path)
+            if len(chunks) == 1:
+                chunks[0].load_state_dict(loaded["model"], strict=True)
+            else:
+                for i, chunk in enumerate(chunks):
+                    chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+            steps = saved_adam_steps(loaded["optimizer"])
+            if sharding == "fully_reshardable":
+                _keep_step_on_fully_reshardable_load(optimizer)
+            with torch.no_grad():
+                optimizer.load_state_dict(loaded["optimizer"])
+            if steps:
+                _restore_adam_steps(optimizer, max(steps))
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            restored = None
+            if load_rng:
+                _restore_rng(loaded["rng_state"], path, "cuda")
+                restored = fingerprint(from_megatron(rank_rng_state("cuda")))
+            _save_reference(chunks, optimizer, out)
+            return {"iteration": int(loaded["iteration"]), "tracker_iteration": tracker_iteration,
+                    "consumed_train_samples": getattr(ckpt_args, "consumed_train_samples", 0),
+                    "flops": loaded.get("num_floating_point_operations_so_far", 0), "adam_steps": _adam_steps(optimizer),
+                    "saved_adam_steps": sorted(steps), "scheduler_num_steps": scheduler.num_steps,
+                    "rng_loaded": load_rng, "rng_fingerprint": restored, "sharding": sharding,
+                    "ckpt_args_layout": (ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size,
+                                         getattr(ckpt_args, "data_parallel_size", None),
+                                         getattr(ckpt_args, "world_size", None)),
+                    "pp_rank": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+        finally:
+            ps.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------- driver side
+
+def _group(world_size: int):
+    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
+    from migrate.workload.engines import engine_modules
+
+    env = {"OMP_NUM_THREADS": "1"}
+    return start_worker_group(WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env,
+                                              timeout_s=300, preload=engine_modules("megatron")))
+
+
+def save_megatron_lm(run: MegatronLMRun, save_dir: str | Path) -> list[dict[str, Any]]:
+    """Train `run` and save it as Megatron-LM does into `save_dir` (plus `save_dir/reference`); per rank results."""
+    with _group(run.world_size) as group:
+        return group.run(_rank_save, run, str(save_dir))
+
+
+def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) -> list[dict[str, Any]]:
+    """Load `load_dir` at `run`'s layout as Megatron-LM's `load_checkpoint` does; the loaded state is saved fully
+    reshardable into `out` (`plain_state(out)`); per rank what was restored."""
+    with _group(run.world_size) as group:
+        return group.run(_rank_load, run, str(load_dir), str(out))
+
+
+def plain_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint as one global tensor (Megatron-Core's `load_plain_tensors`,
+    on one rank)."""
+    with _group(1) as group:
+        return group.run(_rank_plain, str(path))[0]
+
+
+def _rank_plain(ctx: Any, path: str) -> dict[str, torch.Tensor]:
+    from megatron.core import dist_checkpointing
+
+    from migrate.device.cpu_adapter import cpu_device_adapter
+
+    with cpu_device_adapter():
+        loaded = dist_checkpointing.load_plain_tensors(path)
+    return {k: v for k, v in _flatten(loaded) if isinstance(v, torch.Tensor)}
+
+
+def _flatten(d: Any, prefix: str = ""):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], d
