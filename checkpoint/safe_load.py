@@ -48,6 +48,13 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
         "megatron.core.rerun_state_machine.RerunMode",
         "megatron.core.rerun_state_machine.RerunState",
         "megatron.core.rerun_state_machine.RerunDiagnostic",
+        # the rest of what Megatron-Core registers for Megatron-LM's args (exit_signal, cuda_graph_scope, paths,
+        # placeholder namespaces, the optimizer config): values only, their state unpickled under the same rules
+        "megatron.core.transformer.enums.CudaGraphScope",
+        "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+        "signal.Signals",
+        "pathlib.PosixPath",
+        "types.SimpleNamespace",
         # NumPy's RNG state tuple (np.random.get_state(): kind, uint32 key array, pos, has_gauss, cached) that
         # Megatron-LM's get_rng_state saves; numpy 1.x writes the array constructor as numpy.core.multiarray
         "numpy.ndarray",
@@ -263,11 +270,30 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its `save` can be extend
 PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="checkpoint.safe_load.PICKLE_MODULE")
 
 
+def _registered_by_torch(entry: Any) -> bool:
+    obj = entry[0] if isinstance(entry, tuple) else entry
+    return str(getattr(obj, "__module__", "") or "").split(".")[0] == "torch"
+
+
+def _unsafe_globals(source: Any) -> list[str]:
+    """torch's `get_unsafe_globals_in_checkpoint` measured against torch's own safe globals alone: other
+    libraries register classes process-wide at import (Megatron-Core adds numpy's array classes, its configs,
+    BytesIO), which would hide them from the allow-list check."""
+    with _SAFE_GLOBALS_LOCK:
+        registered = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals([g for g in registered if _registered_by_torch(g)])
+        try:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+        finally:
+            torch.serialization.add_safe_globals(registered)
+
+
 def required_globals(path: Path) -> list[str]:
     """Names of the non-default globals the pickle in `path` references (reads the pickle only)."""
     try:
         with _SAFE_GLOBALS_LOCK:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+            return _unsafe_globals(str(path))
     except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
         with open(path, "rb") as f:
             head = f.read(2)
@@ -432,7 +458,7 @@ def range_globals(path: Path, offset: int, length: int) -> list[str]:
     """Non-default globals of the torch.save'd object at bytes [offset, offset + length) of `path`."""
     with open(path, "rb") as f, _SAFE_GLOBALS_LOCK:
         try:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(window(f, offset, length)))
+            return _unsafe_globals(window(f, offset, length))
         except (zipfile.BadZipFile, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as err:
             raise CheckpointFormatError(f"{path}: bytes [{offset}, {offset + length}) are no readable torch object "
                                         f"(truncated or corrupt?): {err}") from err

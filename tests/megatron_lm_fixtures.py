@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class MegatronLMRun:
     steps: int = 2
     global_batch_size: int = 8
     bucket_size: int | None = None  # --overlap-grad-reduce --ddp-bucket-size N: several grad buckets per buffer
+    distributed_optimizer: bool = True  # --use-distributed-optimizer
 
     @property
     def world_size(self) -> int:
@@ -66,12 +68,13 @@ class MegatronLMRun:
     def name(self) -> str:
         ep = f"ep{self.ep}" if self.ep > 1 else ""
         buckets = f"_bucket{self.bucket_size}" if self.bucket_size else ""
-        return (f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{'moe_' if self.moe else ''}{self.precision}_{self.sharding}"
-                f"{buckets}")
+        optimizer = self.sharding if self.distributed_optimizer else "plain"
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{'moe_' if self.moe else ''}{self.precision}_{optimizer}{buckets}"
 
     def spec(self) -> RunSpec:
         return RunSpec(engine="megatron", model=MIXTRAL if self.moe else LLAMA, steps=self.steps, tp=self.tp,
-                       pp=self.pp, ep=self.ep, distributed_optimizer=True, sequence_parallel=self.moe and self.tp > 1,
+                       pp=self.pp, ep=self.ep, distributed_optimizer=self.distributed_optimizer,
+                       sequence_parallel=self.moe and self.tp > 1,
                        train=TrainSpec(global_batch_size=self.global_batch_size, precision=self.precision))
 
 
@@ -100,7 +103,8 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.tp, context_parallel_size=1,
         sequence_parallel=spec.sequence_parallel, data_parallel_size=run.dp, world_size=run.world_size,
-        use_distributed_optimizer=True, overlap_grad_reduce=run.bucket_size is not None, overlap_param_gather=False,
+        use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=run.bucket_size is not None,
+        overlap_param_gather=False,
         ddp_bucket_size=run.bucket_size, ddp_num_buckets=None, overlap_param_gather_with_optimizer_step=False,
         ckpt_format="torch_dist", use_dist_ckpt=True, ckpt_fully_parallel_save=True,
         dist_ckpt_optim_fully_reshardable=run.sharding == "fully_reshardable",
@@ -112,7 +116,8 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         skipped_train_samples=0, consumed_valid_samples=0, lr=t.optimizer.lr, min_lr=t.optimizer.lr / 10,
         lr_decay_style="cosine", lr_warmup_iters=0, weight_decay=t.optimizer.weight_decay,
         adam_beta1=t.optimizer.beta1, adam_beta2=t.optimizer.beta2, adam_eps=t.optimizer.eps,
-        clip_grad=t.optimizer.clip_grad, seed=t.seed, data_parallel_random_init=False, iteration=iteration)
+        clip_grad=t.optimizer.clip_grad, seed=t.seed, data_parallel_random_init=False, iteration=iteration,
+        exit_signal=signal.SIGTERM, save=None, load=None, data_path=None)
 
 
 # ---------------------------------------------------------------- per rank (run inside the worker group)
@@ -136,7 +141,8 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     config.batch_p2p_comm = False
     overlap = run.bucket_size is not None
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
-                                               bucket_size=run.bucket_size, use_distributed_optimizer=True)
+                                               bucket_size=run.bucket_size,
+                                               use_distributed_optimizer=run.distributed_optimizer)
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c)
               for c in _build_chunks(spec.model, spec, config)]
     if overlap:  # Megatron-LM's setup: grads reduced once per step, not per micro-batch
@@ -145,7 +151,7 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.lr / 10, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
         adam_eps=o.eps, clip_grad=o.clip_grad, bf16=run.precision == "bf16", params_dtype=config.params_dtype,
-        use_distributed_optimizer=True), chunks)
+        use_distributed_optimizer=run.distributed_optimizer), chunks)
     config.finalize_model_grads_func = finalize_model_grads
     gbs = spec.train.global_batch_size
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.lr / 10,
@@ -155,11 +161,11 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     return chunks, optimizer, scheduler, spec
 
 
-def _metadata(sharding: str) -> dict[str, Any]:
-    """`_build_sharded_state_dict_metadata` for a distributed optimizer with the torch_dist format."""
+def _metadata(sharding: str | None) -> dict[str, Any]:
+    """`_build_sharded_state_dict_metadata` for the torch_dist format (`sharding` None: no distributed optimizer)."""
     from megatron.core import parallel_state as ps
 
-    md: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
+    md: dict[str, Any] = {} if sharding is None else {"distrib_optim_sharding_type": sharding}
     if sharding == "fully_reshardable":
         md["distrib_optim_fully_reshardable_mem_efficient"] = False
     md |= {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
@@ -262,7 +268,7 @@ def _rank_save(ctx: Any, run: MegatronLMRun, save_dir: str) -> dict[str, Any]:
             result = _loop(ctx, spec, chunks, optimizer, sampler, 0, get_forward_backward_func())
             for _ in range(run.steps):
                 scheduler.step(increment=t.global_batch_size)
-            md = _metadata(run.sharding)
+            md = _metadata(run.sharding if run.distributed_optimizer else None)
             path = os.path.join(save_dir, f"iter_{run.steps:07d}")
             sd = _state_dict(megatron_lm_args(run, iteration=run.steps), chunks, optimizer, scheduler, md,
                              iteration=run.steps, rng=_rng_state(), loading=False)

@@ -213,3 +213,25 @@ def test_megatron_lm_checkpoint_converts_to_the_other_formats(megatron_lm_checkp
     src, _ = megatron_lm_checkpoint(TP2_BF16)
     outcome = convert(src, tmp_path / to, to=to, **options)
     assert compare_indexes(outcome.plan.source, read_index(tmp_path / to)) == []
+
+
+def test_numpy_in_megatron_lm_files_loads_only_as_plain_arrays(megatron_lm_checkpoint, tmp_path):
+    """NumPy's RNG state (what Megatron-LM's get_rng_state saves) loads with weights_only; an object array, which
+    could carry any pickle, is refused naming the file and never runs."""
+    import numpy as np
+
+    from checkpoint.errors import UntrustedCheckpointError
+    from tests.test_security_payloads import Payload
+
+    src, _ = megatron_lm_checkpoint(DP2)
+    plain = _with_args(src, tmp_path / "plain", extra_rng=np.random.get_state(), ranks=np.arange(4, dtype=np.int64))
+    assert read_index(plain).meta["megatron_args"]["num_layers"] == 2
+    marker = tmp_path / "ran"
+    planted = _with_args(src, tmp_path / "planted", extra=np.array([Payload(marker)], dtype=object))
+    with pytest.raises(UntrustedCheckpointError, match=re.escape(str(planted / "common.pt"))):
+        read_index(planted)
+    out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(planted)], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and not marker.exists()
+    objects = _with_args(src, tmp_path / "objects", extra=np.array([1, "a"], dtype=object))  # no global named
+    with pytest.raises(UntrustedCheckpointError, match="ObjectDType"):
+        read_index(objects)
