@@ -34,6 +34,7 @@ TP2_BF16 = MegatronLMRun(tp=2, precision="bf16")
 PP2_FULLY = MegatronLMRun(pp=2, sharding="fully_reshardable")
 EP2_MOE = MegatronLMRun(dp=2, ep=2, moe=True)
 BUCKETS = MegatronLMRun(tp=2, dp=2, bucket_size=6000)  # --overlap-grad-reduce --ddp-bucket-size 6000
+PLAIN = MegatronLMRun(dp=2, distributed_optimizer=False)
 
 # (source, target layout (tp, pp, dp, ep)): every axis grown and shrunk, world sizes 1 to 4, both sharding types
 CASES = [
@@ -128,6 +129,21 @@ def test_several_grad_buckets_are_read_and_loaded_by_megatron_lm(megatron_lm_che
     assert torch.equal(got["optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc2.weight"][1],
                        ours[("layers.1.mlp.down_proj.weight", Kind.EXP_AVG_SQ)])
     assert torch.equal(got["optimizer.state.param.output_layer.weight"], truth["output_layer.weight"])
+
+
+def test_plain_optimizer_becomes_a_distributed_one_megatron_lm_loads(megatron_lm_checkpoint, source_truth, tmp_path):
+    """Without --use-distributed-optimizer Megatron-Core saves Adam's moments per model key and the step as
+    `common_step`; the conversion is a distributed-optimizer checkpoint (fp32 main params = the fp32 weights)."""
+    src, _ = megatron_lm_checkpoint(PLAIN)
+    dst = tmp_path / "converted"
+    convert(src, dst, to="megatron", tp=2, dp=1)
+    loaded = load_megatron_lm(MegatronLMRun(tp=2), dst, tmp_path / "loaded")
+    assert all(r["adam_steps"] == [2.0] and r["rng_loaded"] for r in loaded)
+    truth, got = source_truth(PLAIN), plain_state(tmp_path / "loaded")
+    shared = set(truth) - {"optimizer.state.common_step"}
+    assert shared <= set(got) and all(torch.equal(truth[k], got[k]) for k in shared)
+    mains = [k for k in got if k.startswith("optimizer.state.param.")]
+    assert mains and all(torch.equal(got[k], truth[k.removeprefix("optimizer.state.param.")]) for k in mains)
 
 
 def test_megatron_lm_refuses_the_source_at_another_tp_but_not_the_conversion(megatron_lm_checkpoint, tmp_path):

@@ -961,11 +961,23 @@ def _objects(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any], root: 
             value = load_range(root / info.relative_path, int(info.offset), int(info.length),
                                trust_checkpoint=trust_checkpoint)
             groups[int(m.group(1) or 0)] = value[0] if isinstance(value, list) else value
-    if not groups:  # fully_reshardable: the optimizer state sits in common.pt
+    if not groups:  # fully_reshardable / no distributed optimizer: the optimizer state sits in common.pt
         optim = common.get("optimizer", {})
         per = optim if all(isinstance(k, int) for k in optim) else {0: optim}
-        groups = {k: v["optimizer"] for k, v in per.items()}
+        groups = {k: v["optimizer"] if "optimizer" in v else _plain_optimizer_groups(v, root) for k, v in per.items()}
     return objects, [groups[k] for k in sorted(groups)]
+
+
+def _plain_optimizer_groups(optim: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    """The param groups of Megatron-Core's non-distributed optimizer state (`optimizer.state.<kind>.<key>`
+    tensors, `{"state": {"common_step": step}, "param_groups": [...]}` in common.pt) with the Adam step put in
+    each group, as the DistributedOptimizer keeps it."""
+    groups, state = optim.get("param_groups"), optim.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        raise CheckpointFormatError(f"{root / 'common.pt'}: optimizer holds {sorted(map(str, optim))}, neither a "
+                                    f"DistributedOptimizer state nor param_groups with a state")
+    step = state.get("common_step")
+    return {"param_groups": [{**dict(g), **({"step": float(step)} if step is not None else {})} for g in groups]}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
