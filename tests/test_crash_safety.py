@@ -88,8 +88,12 @@ def _universal_accepts(dest: Path) -> bool:  # DeepSpeed's load_checkpoint(load_
 
 
 def _hf_accepts(dest: Path) -> bool:
+    """transformers' `from_pretrained` starts from `config.json`, then loads the weights file (a complete
+    `model.safetensors` alone, renamed into place before the manifest, is no loadable HF model)."""
     from safetensors.torch import load_file
 
+    if not (dest / "config.json").is_file():
+        return False
     try:
         load_file(str(dest / "model.safetensors"))
     except Exception:  # noqa: BLE001

@@ -256,6 +256,8 @@ def test_bf16_legacy_keys_each_grad_buffer_by_its_param_dtype(megatron_legacy_ch
     target = tmp_path / "legacy"
     outcome = convert(ck.path, target, to="megatron-legacy", tp=1, pp=2, dp=1)
     assert _same_state(outcome.plan.source, read_index(target)) == []
+    planned = {e.key.name: e.dtype for e in outcome.plan.target.index.entries if e.key.kind is Kind.PARAM}
+    assert planned["norm.weight"] == "float32" and planned["embed_tokens.weight"] == "bfloat16"
     # in named_parameters order a dtype's first param opens its buffer: the last stage starts with a layer's norm
     written = torch.load(target / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt", weights_only=False)
     assert [next(iter(written[g])) for g in (0, 1)] == [(torch.float32, torch.float32),

@@ -442,6 +442,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     iteration = int(state["common"].get("iteration") or 0)
     it = iteration_dir_name(iteration)
     entries: dict[TensorKey, list[ChunkRef]] = defaultdict(list)
+    entry_dtype: dict[TensorKey, str] = {}  # a weight's dtype (optimizer state is fp32)
     files = []
     rank_meta = {}
     for t in range(tp):
@@ -459,6 +460,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                         names.append(name)
                         for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{MODEL_FILE}", (mkey, name)):
                             entries[TensorKey(name=cname, kind=Kind.PARAM)].append(ref)
+                            entry_dtype[TensorKey(name=cname, kind=Kind.PARAM)] = dtypes[lp.rule.key]
                     chunk_names.append([mkey, names])
                 files.append(TargetFile(path=f"{rel}/{MODEL_FILE}", role="model", rank=writer,
                                         buffers=tuple(model_bufs)))
@@ -487,8 +489,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                                         buffers=tuple(optim_bufs)))
                 rank_meta[rel] = {"chunks": chunk_names, "optim": layout_meta, "tp_rank": t, "pp_rank": p}
     shapes = dict(canonical_tensors(arch))
-    out = [TensorEntry(key=k, shape=shapes[k.name], dtype=dtype if k.kind is Kind.PARAM else "float32",
-                       chunks=tuple(c))
+    out = [TensorEntry(key=k, shape=shapes[k.name], dtype=entry_dtype.get(k, "float32"), chunks=tuple(c))
            for k, c in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind)))]
     if state.get("state_report"):  # what the conversion did with each training state, for the resume stage
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
