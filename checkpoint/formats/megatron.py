@@ -80,12 +80,17 @@ def tracker_iteration_dir(path: Path) -> Path:
     if not text.isdigit():
         raise CheckpointFormatError(f"{tracker}: holds {text!r}; Megatron-LM's tracker holds an iteration number "
                                     f"or 'release'")
-    return path / f"iter_{int(text):07d}"
+    return path / iteration_dir_name(int(text))
 
 
 def iteration_dir_name(iteration: int) -> str:
     """Megatron-LM's directory name for a checkpoint of `iteration` (`get_checkpoint_name`)."""
     return f"iter_{int(iteration):07d}"
+
+
+def tracker_text(common: Mapping[str, Any]) -> str:
+    """What `latest_checkpointed_iteration.txt` holds for a checkpoint whose common state is `common`."""
+    return str(int(common.get("iteration") or 0))
 
 
 def resolve_iteration_dir(path: str | Path) -> Path:
@@ -1060,7 +1065,7 @@ class MegatronWriter:
                  f"{it}/metadata.json": json.dumps(backend)}
         if meta.get("state_report"):
             files[STATE_REPORT_FILE] = json.dumps(meta["state_report"], indent=1).encode()
-        files[TRACKER_FILE] = str(int(it.removeprefix("iter_")))  # last: Megatron-LM's commit point
+        files[TRACKER_FILE] = tracker_text(meta["common"])  # last: Megatron-LM's commit point
         return files
 
 

@@ -36,7 +36,7 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
 from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
                                          bucket_layout, canonical_train_state, check_padded_vocab, grad_buffers,
-                                         iteration_dir_name, param_dtypes,
+                                         iteration_dir_name, param_dtypes, tracker_text,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
                                          target_training_state, target_vpp)
@@ -514,7 +514,7 @@ class MegatronLegacyWriter:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "tracker":  # Megatron-LM's commit point, written last
-            return str(int(meta["common"].get("iteration") or 0))
+            return tracker_text(meta["common"])
         rel = file.path.rsplit("/", 1)[0]
         rank = meta["ranks"][rel]
         if file.role == "model":
