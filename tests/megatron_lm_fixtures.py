@@ -41,6 +41,7 @@ from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
 LLAMA = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=64)
 MIXTRAL = dataclasses.replace(LLAMA, architecture="mixtral", ffn_hidden_size=96, num_experts=4, moe_top_k=2)
+GPT = dataclasses.replace(LLAMA, architecture="gpt", num_query_groups=4, norm_eps=1e-6, rotary_base=50000.0)
 FLOPS_SO_FAR = 1.25e12
 
 
@@ -53,6 +54,7 @@ class MegatronLMRun:
     dp: int = 1
     ep: int = 1
     moe: bool = False
+    gpt: bool = False  # GELU + LayerNorm (--normalization LayerNorm, no --swiglu) instead of the llama family
     precision: str = "fp32"  # fp32 | bf16
     sharding: str = "dp_reshardable"  # distrib_optim_sharding_type: dp_reshardable | fully_reshardable
     steps: int = 2
@@ -69,10 +71,11 @@ class MegatronLMRun:
         ep = f"ep{self.ep}" if self.ep > 1 else ""
         buckets = f"_bucket{self.bucket_size}" if self.bucket_size else ""
         optimizer = self.sharding if self.distributed_optimizer else "plain"
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{'moe_' if self.moe else ''}{self.precision}_{optimizer}{buckets}"
+        family = "moe_" if self.moe else "gpt_" if self.gpt else ""
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{family}{self.precision}_{optimizer}{buckets}"
 
     def spec(self) -> RunSpec:
-        return RunSpec(engine="megatron", model=MIXTRAL if self.moe else LLAMA, steps=self.steps, tp=self.tp,
+        return RunSpec(engine="megatron", model=MIXTRAL if self.moe else GPT if self.gpt else LLAMA, steps=self.steps, tp=self.tp,
                        pp=self.pp, ep=self.ep, distributed_optimizer=self.distributed_optimizer,
                        sequence_parallel=self.moe and self.tp > 1,
                        train=TrainSpec(global_batch_size=self.global_batch_size, precision=self.precision))
@@ -90,11 +93,14 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
     return argparse.Namespace(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, group_query_attention=m.num_query_groups != m.num_attention_heads,
-        num_query_groups=m.num_query_groups, kv_channels=m.head_dim, swiglu=True, normalization="RMSNorm",
+        num_query_groups=m.num_query_groups, kv_channels=m.head_dim, swiglu=m.gated_ffn,
+        normalization="RMSNorm" if m.gated_ffn else "LayerNorm",
         norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
         untie_embeddings_and_output_weights=not m.tied_embeddings, vocab_size=None,
         padded_vocab_size=m.padded_vocab_size(run.tp), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         position_embedding_type="rope", add_position_embedding=True, rotary_base=int(m.rotary_base), rotary_percent=1.0,
+        rotary_interleaved=False, use_rope_scaling=False, apply_layernorm_1p=False, squared_relu=False,
+        openai_gelu=False,
         seq_length=m.seq_length, max_position_embeddings=m.seq_length, tokenizer_type="HuggingFaceTokenizer",
         vocab_file=None, num_experts=m.num_experts or None, moe_ffn_hidden_size=m.ffn_hidden_size if m.is_moe else None,
         moe_router_topk=m.moe_top_k, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
@@ -388,6 +394,37 @@ def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) 
     reshardable into `out` (`plain_state(out)`); per rank what was restored."""
     with _group(run.world_size) as group:
         return group.run(_rank_load, run, str(load_dir), str(out))
+
+
+def megatron_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits Megatron-Core's GPTModel gives for `tokens` (batch, seq) with the weights of the save dir
+    `load_dir`, built at tp 1, pp 1 in fp32 (bf16 weights load exactly into it) on one rank, in eval mode."""
+    one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None)
+    with _group(1) as group:
+        return group.run(_rank_logits, one, str(load_dir), tokens)[0]
+
+
+def _rank_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from migrate.device.cpu_adapter import cpu_device_adapter
+
+    torch.set_num_threads(1)
+    with cpu_device_adapter():
+        chunks, _, _, _ = _setup(ctx, run)
+        try:
+            path, _ = _checkpoint_dir(load_dir)
+            model = unwrap_model(chunks)[0]
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=_metadata(None))}, path)
+            model.load_state_dict(loaded["model"], strict=True)
+            model.eval()
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
+            with torch.no_grad():
+                return model(tokens, positions, None).float()
+        finally:
+            ps.destroy_model_parallel()
 
 
 def plain_state(path: str | Path) -> dict[str, torch.Tensor]:

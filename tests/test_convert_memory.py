@@ -95,13 +95,20 @@ def test_in_place_writer_output_loads_with_zeros_where_nothing_was_copied(tmp_pa
 
 
 def _hf_source(root: Path, layers: int) -> Path:
-    """A llama-named safetensors checkpoint of `layers` square fp32 matrices (HIDDEN x HIDDEN each)."""
+    """A llama save_pretrained folder of `layers` layers, each one square fp32 matrix (HIDDEN x HIDDEN), beside a
+    small embedding and its config.json."""
+    import json
+
     from safetensors.torch import save_file
 
     root.mkdir(parents=True)
     g = torch.Generator().manual_seed(layers)
-    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g)
-               for i in range(layers)}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g) for i in range(layers)}
+    tensors |= {"model.embed_tokens.weight": torch.randn(8, HIDDEN, generator=g),
+                "lm_head.weight": torch.randn(8, HIDDEN, generator=g)}
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers,
+                                                  "hidden_size": HIDDEN, "vocab_size": 8}))
     return root
 
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from checkpoint.api import convert, read_index
-from checkpoint.errors import PlanError
+from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.index import CheckpointIndex, Kind
 from checkpoint.materialize import iter_tensors
 from checkpoint.formats.megatron import source_arch
@@ -42,10 +42,14 @@ def test_model_config_from_hf_and_job_yaml_sections():
         dataclasses.replace(TINY_ARCH, make_vocab_size_divisible_by=128)  # the job schema's default
     mixtral = arch_from_config({**HF_TINY_LLAMA, "model_type": "mixtral", "num_local_experts": 4})
     assert (mixtral.architecture, mixtral.num_experts) == ("mixtral", 4)
-    gpt2 = arch_from_config({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_inner": None,
-                             "vocab_size": 128})
-    assert (gpt2.architecture, gpt2.ffn_hidden_size, gpt2.num_query_groups, gpt2.tied_embeddings) == (
-        "gpt", 256, 4, True)
+    starcoder2 = {"model_type": "starcoder2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 128, "use_bias": False}
+    gpt = arch_from_config(starcoder2)
+    assert (gpt.architecture, gpt.ffn_hidden_size, gpt.num_query_groups, gpt.tied_embeddings) == ("gpt", 256, 2, True)
+    with pytest.raises(CheckpointFormatError, match="use_bias=True"):  # Starcoder2's default: linear biases
+        arch_from_config({k: v for k, v in starcoder2.items() if k != "use_bias"})
+    with pytest.raises(CheckpointFormatError, match="'gpt2' has no Megatron rules"):  # learned positions, Conv1D
+        arch_from_config({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128})
 
 
 def test_model_config_file_is_an_hf_config_or_a_job_yaml(tmp_path):

@@ -25,7 +25,8 @@ from checkpoint.api import convert, read_index
 from checkpoint.errors import CheckpointError, PlanError
 from checkpoint.index import Kind
 from checkpoint.materialize import iter_tensors
-from tests.megatron_lm_fixtures import FLOPS_SO_FAR, MegatronLMRun, load_megatron_lm, plain_state, save_megatron_lm
+from tests.megatron_lm_fixtures import (FLOPS_SO_FAR, MegatronLMRun, load_megatron_lm, megatron_logits, plain_state,
+                                       save_megatron_lm)
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,7 @@ PP2_FULLY = MegatronLMRun(pp=2, sharding="fully_reshardable")
 EP2_MOE = MegatronLMRun(dp=2, ep=2, moe=True)
 BUCKETS = MegatronLMRun(tp=2, dp=2, bucket_size=6000)  # --overlap-grad-reduce --ddp-bucket-size 6000
 PLAIN = MegatronLMRun(dp=2, distributed_optimizer=False)
+GPT_TP2 = MegatronLMRun(tp=2, gpt=True)  # GELU + LayerNorm
 
 # (source, target layout (tp, pp, dp, ep)): every axis grown and shrunk, world sizes 1 to 4, both sharding types
 CASES = [
@@ -229,6 +231,47 @@ def test_megatron_lm_checkpoint_converts_to_the_other_formats(megatron_lm_checkp
     src, _ = megatron_lm_checkpoint(TP2_BF16)
     outcome = convert(src, tmp_path / to, to=to, **options)
     assert compare_indexes(outcome.plan.source, read_index(tmp_path / to)) == []
+
+
+HF_CASES = [(DP2, "LlamaForCausalLM"), (TP2_BF16, "LlamaForCausalLM"), (EP2_MOE, "MixtralForCausalLM"),
+            (GPT_TP2, "Starcoder2ForCausalLM")]
+
+
+@pytest.mark.parametrize("run,model_class", HF_CASES, ids=[r.name for r, _ in HF_CASES])
+def test_transformers_loads_the_hf_conversion_and_gives_megatron_logits(megatron_lm_checkpoint, tmp_path, run,
+                                                                        model_class):
+    """Megatron-LM's checkpoint -> HF with no flags: `from_pretrained` takes the folder (config.json from the run's
+    args, shards with their index) and its logits are Megatron-Core's own for the same tokens; every weight is
+    stored in its own dtype with its bits (bf16 too) and loaded as transformers casts it to config.json's dtype."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src, _ = megatron_lm_checkpoint(run)
+    dst = tmp_path / "hf"
+    convert(src, dst, to="hf", max_shard_size="60KB")
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((dst / f).is_file() for f in shards)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["architectures"] == [model_class] and config["dtype"] == {"fp32": "float32"}.get(
+        run.precision, "bfloat16")
+    args = read_index(src).meta["megatron_args"]
+    eps_key = "norm_epsilon" if run.gpt else "rms_norm_eps"
+    assert config[eps_key] == args["norm_epsilon"] and config["rope_parameters"]["rope_theta"] == args["rotary_base"]
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    assert type(model).__name__ == model_class
+    stored = {k: v for f in shards for k, v in load_file(dst / f).items()}
+    native = AutoModelForCausalLM.from_pretrained(dst)  # in the dtype config.json names
+    for name, tensor in native.state_dict().items():
+        if name in stored:
+            assert torch.equal(tensor, stored[name].to(tensor.dtype)), name
+    assert {str(t.dtype) for t in stored.values()} >= {f"torch.{config['dtype']}"}
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(tokens).logits
+    want = megatron_logits(run, src, tokens)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_numpy_in_megatron_lm_files_loads_only_as_plain_arrays(megatron_lm_checkpoint, tmp_path):

@@ -70,9 +70,9 @@ def test_tied_converts_and_megatron_resumes(tied_checkpoint, tmp_path, tp, pp, d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["deepspeed", "dcp", "hf"])
+@pytest.mark.parametrize("fmt", ["deepspeed", "dcp"])
 def test_untied_only_writers_refuse_a_tied_source_and_leave_nothing(tied_checkpoint, tmp_path, fmt):
-    """DeepSpeed, DCP and HF targets are written for untied models: a tied source is refused at plan time
+    """DeepSpeed and DCP targets are written for untied models: a tied source is refused at plan time
     with the reason (not written with the output weight missing), and the destination stays absent."""
     from checkpoint.errors import PlanError
 
@@ -80,3 +80,20 @@ def test_untied_only_writers_refuse_a_tied_source_and_leave_nothing(tied_checkpo
     with pytest.raises(PlanError, match=rf"ties its input and output embeddings; the {fmt} writer writes untied"):
         convert(path, tmp_path / fmt, to=fmt)
     assert not (tmp_path / fmt).exists()
+
+
+@pytest.mark.slow
+def test_tied_source_becomes_a_tied_hf_model(tied_checkpoint, tmp_path):
+    """HF holds tied models: one embedding, tie_word_embeddings in config.json; transformers ties lm_head to it."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = tied_checkpoint
+    convert(path, tmp_path / "hf", to="hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    embed = next(t for e, t in iter_tensors(read_index(path)) if e.key == TensorKey(name="embed_tokens.weight",
+                                                                                      kind=Kind.PARAM))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.model.embed_tokens.weight, embed)

@@ -52,6 +52,7 @@ class TargetOptions:
     vpp: int | None = None
     arch: str | None = None
     model_config: Mapping[str, Any] | None = None
+    max_shard_size: int | str | None = None  # HF: the largest safetensors shard ("5GB", bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

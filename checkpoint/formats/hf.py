@@ -3,11 +3,15 @@
 Weights only: a HF checkpoint holds no optimizer state, so converting it into a training format
 gives a weights-only target (the plan summary says so). Canonical names are the built-in decoder's
 (`layers.0.self_attn.q_proj.weight`, the names DeepSpeed and DCP checkpoints carry); the map turns
-them into the HF names of `llama` (LlamaForCausalLM), `mixtral` (MixtralForCausalLM) and `gpt`
-(GPTNeoForCausalLM naming: separate q/k/v, LayerNorm, non-gated MLP). Files: `model.safetensors`
-or shards listed in `model.safetensors.index.json`; the writer writes one `model.safetensors`
-whose header metadata records the architecture, streaming it tensor by tensor in the layout
-`safetensors.torch.save` gives (same header, same tensor order, same bytes; metadata keys sorted).
+them into the HF names of `llama` (LlamaForCausalLM), `mixtral` (MixtralForCausalLM, the per-expert
+w1/w2/w3 names `save_pretrained` writes) and `gpt` (Starcoder2ForCausalLM with use_bias=False: rotary,
+LayerNorm, non-gated GELU MLP). Files: `model.safetensors` or shards listed in
+`model.safetensors.index.json`, beside `config.json` (the architecture is read from it). The writer writes
+what `save_pretrained` writes: the weights split into shards of at most `--max-shard-size` (huggingface_hub's
+`split_torch_state_dict_into_shards`, as transformers calls it) with the index when there are several, each
+streamed tensor by tensor in the layout `safetensors.torch.save` gives (same header, same tensor order, same
+bytes), `generation_config.json` when the source had one, and `config.json` last (`from_pretrained`'s entry
+point, so it is the commit point).
 """
 
 from __future__ import annotations
@@ -25,14 +29,20 @@ import torch
 
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import SAFETENSORS, StreamPayload
-from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_tied_embeddings
+from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_shared_params
+from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_spec
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config
+from checkpoint.state.training_state import CLIENT_STATE_KEY
 
 FORMAT = "hf"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
 ARCH_KEY = "migrate_architecture"
 
 _LLAMA = [
@@ -48,19 +58,12 @@ _MIXTRAL = [
     ("layers.{L}.mlp.experts.{E}.up_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.{P}"),
     *_LLAMA,
 ]
-_GPT = [
-    ("embed_tokens.{P}", "transformer.wte.{P}"),
-    ("layers.{L}.input_layernorm.{P}", "transformer.h.{L}.ln_1.{P}"),
-    ("layers.{L}.post_attention_layernorm.{P}", "transformer.h.{L}.ln_2.{P}"),
-    ("layers.{L}.self_attn.o_proj.{P}", "transformer.h.{L}.attn.attention.out_proj.{P}"),
-    ("layers.{L}.self_attn.{Q}_proj.{P}", "transformer.h.{L}.attn.attention.{Q}_proj.{P}"),
-    ("layers.{L}.mlp.up_proj.{P}", "transformer.h.{L}.mlp.c_fc.{P}"),
-    ("layers.{L}.mlp.down_proj.{P}", "transformer.h.{L}.mlp.c_proj.{P}"),
-    ("norm.{P}", "transformer.ln_f.{P}"),
-    ("lm_head.{P}", "lm_head.{P}"),
+_GPT = [  # Starcoder2ForCausalLM
+    ("layers.{L}.mlp.up_proj.{P}", "model.layers.{L}.mlp.c_fc.{P}"),
+    ("layers.{L}.mlp.down_proj.{P}", "model.layers.{L}.mlp.c_proj.{P}"),
+    *_LLAMA,
 ]
 NAME_MAPS: dict[str, list[tuple[str, str]]] = {"llama": _LLAMA, "mixtral": _MIXTRAL, "gpt": _GPT}
-_HF_MODEL_TYPES = {"llama": "llama", "mixtral": "mixtral", "gpt_neo": "gpt"}
 _FIELD = {"L": r"\d+", "E": r"\d+", "P": r"weight|bias", "Q": r"[qkv]", "R": r".+"}
 
 
@@ -106,27 +109,42 @@ def _files(root: Path) -> list[str]:
     return files
 
 
-def _architecture(root: Path, header: Mapping[str, str], names: list[str]) -> str:
-    if (root / "config.json").is_file():
-        try:
-            config = json.loads((root / "config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointFormatError(f"{root / 'config.json'}: not valid JSON ({err})") from err
-        model_type = config.get("model_type") if isinstance(config, dict) else None
-        if model_type in _HF_MODEL_TYPES:
-            return _HF_MODEL_TYPES[model_type]
+def _json_file(path: Path) -> dict[str, Any] | None:
+    """A JSON object file's content; None when the file is absent."""
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(content, dict):
+        raise CheckpointFormatError(f"{path}: holds a JSON {type(content).__name__}, not an object")
+    return content
+
+
+def _architecture(root: Path, config: Mapping[str, Any] | None, header: Mapping[str, str], names: list[str]) -> str:
+    """The name map of the weights: config.json's model_type, else our header entry, else by the names."""
+    if config is not None:
+        model_type = config.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise CheckpointFormatError(f"{root / CONFIG}: model_type {model_type!r} has no name map; known: "
+                                        f"{sorted(HF_MODEL_TYPES)}")
+        return HF_MODEL_TYPES[model_type]
     if header.get(ARCH_KEY) in NAME_MAPS:
         return header[ARCH_KEY]
     if any(".block_sparse_moe." in n for n in names):
         return "mixtral"
-    return "gpt" if any(n.startswith("transformer.h.") for n in names) else "llama"
+    return "gpt" if any(".mlp.c_fc." in n for n in names) else "llama"
 
 
 def read_hf(path: str | Path) -> CheckpointIndex:
-    """Index safetensors weights from the file headers (no tensor data read) as canonical params."""
+    """Index safetensors weights from the file headers (no tensor data read) as canonical params; the
+    architecture from `config.json` (kept whole in meta `hf_config`, with `generation_config.json`)."""
     from safetensors import safe_open
 
     root = Path(path)
+    config = _json_file(root / CONFIG)
+    generation = _json_file(root / GENERATION_CONFIG)
     found: list[tuple[str, str, tuple[int, ...], str]] = []
     header: dict[str, str] = {}
     for f in _files(root):
@@ -140,16 +158,28 @@ def read_hf(path: str | Path) -> CheckpointIndex:
             if isinstance(err, CheckpointFormatError):
                 raise
             raise CheckpointFormatError(f"{root / f}: unreadable safetensors file: {err}") from err
-    arch = _architecture(root, header, [k for _, k, _, _ in found])
+    arch = _architecture(root, config, header, [k for _, k, _, _ in found])
     entries = [TensorEntry(key=TensorKey(name=rename(k, arch, to_hf=False), kind=Kind.PARAM), shape=shape, dtype=dt,
                            chunks=(ChunkRef(file=f, key=(SAFETENSORS, k), offsets=(0,) * len(shape), lengths=shape),))
                for f, k, shape, dt in found]
     dtype = entries[0].dtype if entries else "float32"
-    meta = {"architecture": arch, "dtype": dtype, "dp": 1,
-            "train_state": {"step": None, "lr_scheduler": None, "client": {},
-                            "param_names": [e.key.name for e in entries], "optimizer_param_groups": [],
-                            "optimizer_group_params": []}}
-    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(_files(root)), meta=meta)
+    meta: dict[str, Any] = {
+        "architecture": arch, "dtype": dtype, "dp": 1,
+        "train_state": {"step": None, "lr_scheduler": None,
+                        "client": {CLIENT_STATE_KEY: {"hf_config": config}} if config is not None else {},
+                        "param_names": [e.key.name for e in entries], "optimizer_param_groups": [],
+                        "optimizer_group_params": []}}
+    if config is not None:
+        meta["hf_config"] = config
+        try:  # the rules' architecture (Megatron targets); a model they cannot map is named when one is asked for
+            spec = arch_from_config(config, where=str(root / CONFIG))
+            meta["arch"] = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        except CheckpointFormatError:
+            pass
+    if generation is not None:
+        meta["generation_config"] = generation
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(_files(root)) + tuple(
+        f for f in (CONFIG, GENERATION_CONFIG) if (root / f).is_file()), meta=meta)
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -163,30 +193,118 @@ def _st_dtype(code: str, file: Path, name: str) -> str:
         raise CheckpointFormatError(f"{file}: tensor {name} has unsupported dtype {code}") from None
 
 
-def hf_target(source: CheckpointIndex, *, arch: str | None) -> TargetSpec:
-    """One `model.safetensors` with every parameter of `source` under its HF name, in the model dtype
-    (params from fp32 masters when the source keeps only those, e.g. ZeRO-3)."""
-    refuse_tied_embeddings(source, "hf")
-    arch = arch or source.meta.get("architecture") or "llama"
-    if arch not in NAME_MAPS:
-        raise PlanError(f"no HF name map for architecture {arch!r}; known: {sorted(NAME_MAPS)}")
+def _client(source: CheckpointIndex) -> Mapping[str, Any]:
+    """Our entry in the source's client state (empty when there is none)."""
+    client = ((source.meta.get("train_state") or {}).get("client") or {}).get(CLIENT_STATE_KEY) or {}
+    return client if isinstance(client, Mapping) else {}
+
+
+def _client_model(source: CheckpointIndex) -> Mapping[str, Any] | None:
+    """The model spec the built-in engines save (ModelSpec fields): as a Megatron reader found it (meta
+    `model_spec`), else in the client state (DeepSpeed, DCP); None when there is none."""
+    if isinstance(source.meta.get("model_spec"), Mapping):
+        return source.meta["model_spec"]
+    model = _client(source).get("model")
+    return model if isinstance(model, Mapping) else None
+
+
+def target_config(source: CheckpointIndex, model_config: Mapping[str, Any] | None, *, vocab_rows: int,
+                  dtype: str) -> tuple[dict[str, Any], str]:
+    """The target's `config.json` and where it came from: a given HF config as it is, or one built from given
+    ModelSpec-style fields; else the source's own config.json; else built from Megatron-LM's args or the
+    built-in engines' model spec. Raises PlanError naming what is missing."""
+    if model_config is not None:
+        if "model_type" in model_config:
+            return dict(model_config), "--model-config"
+        fields = fields_from_model_spec(model_config, origin="--model-config")
+    elif source.meta.get("hf_config"):
+        return dict(source.meta["hf_config"]), f"{source.root}/{CONFIG}"
+    elif (carried := _client(source).get("hf_config")) is not None:  # an HF start converted on
+        return dict(carried), f"{source.root}: the config.json of the HF checkpoint it was converted from"
+    elif source.meta.get("megatron_args"):
+        fields = fields_from_megatron_args(source.meta["megatron_args"], origin=f"{source.root}: Megatron-LM args")
+    elif (model := _client_model(source)) is not None:
+        fields = fields_from_model_spec(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
+    else:
+        raise PlanError(f"source {source.root} ({source.format}) does not record the model's configuration (norm "
+                        f"epsilon, RoPE base, heads) that the HF config.json needs: pass --model-config FILE (an HF "
+                        f"config.json or the job YAML's model section)")
+    return config_json(fields, vocab_rows=vocab_rows, dtype=dtype), fields.origin
+
+
+def _shards(tensors: Sequence[tuple[str, str, tuple[int, ...]]], max_shard_size: int | str
+            ) -> dict[str, list[str]]:
+    """File name -> HF tensor names, as `save_pretrained` splits them (huggingface_hub, in tensor order)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    meta = {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, dt, shape in tensors}
+    try:
+        split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=max_shard_size)
+    except ValueError as err:
+        raise PlanError(f"--max-shard-size {max_shard_size!r}: {err}") from None
+    return dict(split.filename_to_tensors)
+
+
+def hf_target(source: CheckpointIndex, *, arch: str | None = None, model_config: Mapping[str, Any] | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> TargetSpec:
+    """Every parameter of `source` under its HF name, in the model dtype (params from fp32 masters when the
+    source keeps only those, e.g. ZeRO-3), in shards of at most `max_shard_size` (an index when several),
+    with the `config.json` `target_config` gives, checked against the weights (a tied model has no lm_head and
+    says tie_word_embeddings)."""
+    refuse_shared_params(source, "hf")
     dtype = source.meta.get("dtype", "float32")
     names = list(dict.fromkeys(e.key.name for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)))
     shapes = {e.key.name: e.shape for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)}
     params = {e.key.name: e for e in source.entries if e.key.kind is Kind.PARAM}
-    entries, buffers = [], []
-    for name in names:
-        dt = params[name].dtype if name in params else dtype
-        hf_name = rename(name, arch, to_hf=True)
-        key = (SAFETENSORS, hf_name)
-        buffers.append(TargetBuffer(key=key, shape=shapes[name], dtype=dt))
-        entries.append(TensorEntry(key=TensorKey(name=name, kind=Kind.PARAM), shape=shapes[name], dtype=dt,
-                                   chunks=(ChunkRef(file=WEIGHTS, key=key, offsets=(0,) * len(shapes[name]),
-                                                    lengths=shapes[name]),)))
-    file = TargetFile(path=WEIGHTS, role="weights", rank=None, buffers=tuple(buffers))
-    meta = {"architecture": arch, "dtype": dtype, "dp": 1, "weights_only": True}
-    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=(WEIGHTS,), meta=meta)
-    return TargetSpec(index=index, files=(file,))
+    embed = shapes.get("embed_tokens.weight")
+    if embed is None:
+        raise PlanError(f"source {source.root} ({source.format}) has no embed_tokens.weight: not a decoder the HF "
+                        f"classes hold")
+    dtypes = {n: params[n].dtype if n in params else dtype for n in names}
+    model_dtype = max(set(dtypes.values()), key=list(dtypes.values()).count)
+    config, origin = target_config(source, model_config, vocab_rows=embed[0], dtype=model_dtype)
+    arch = arch or HF_MODEL_TYPES.get(str(config.get("model_type")))
+    if arch not in NAME_MAPS:
+        raise PlanError(f"{origin}: model_type {config.get('model_type')!r} has no HF name map; known: "
+                        f"{sorted(HF_MODEL_TYPES)}")
+    layers = {m.group(1) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}
+    check_config(config, arch=arch, num_layers=len(layers), hidden_size=embed[1], vocab_rows=embed[0], where=origin)
+    tied = bool(config.get("tie_word_embeddings", arch == "gpt"))  # Starcoder2 ties by default
+    if tied == ("lm_head.weight" in names):
+        raise PlanError(f"{origin}: tie_word_embeddings={tied} but the source {source.root} "
+                        f"{'has' if tied else 'has no'} a separate lm_head.weight")
+    hf_names = {name: rename(name, arch, to_hf=True) for name in names}
+    by_hf = {hf: name for name, hf in hf_names.items()}
+    shards = _shards([(hf_names[n], dtypes[n], shapes[n]) for n in names], max_shard_size)
+    sharded = len(shards) > 1
+    entries, files, weight_map = [], [], {}
+    for path, members in (shards.items() if sharded else [(WEIGHTS, next(iter(shards.values())))]):
+        buffers = []
+        for hf_name in members:
+            name = by_hf[hf_name]
+            key = (SAFETENSORS, hf_name)
+            buffers.append(TargetBuffer(key=key, shape=shapes[name], dtype=dtypes[name]))
+            entries.append(TensorEntry(key=TensorKey(name=name, kind=Kind.PARAM), shape=shapes[name],
+                                       dtype=dtypes[name], chunks=(ChunkRef(file=path, key=key,
+                                                                            offsets=(0,) * len(shapes[name]),
+                                                                            lengths=shapes[name]),)))
+            weight_map[hf_name] = path
+        files.append(TargetFile(path=path, role="weights", rank=None, buffers=tuple(buffers)))
+    generation = source.meta.get("generation_config")
+    finals = {}
+    if sharded:
+        total = sum(b.nbytes for f in files for b in f.buffers)
+        numel = sum(math.prod(b.shape) for f in files for b in f.buffers)
+        finals[INDEX] = {"metadata": {"total_parameters": numel, "total_size": total}, "weight_map": weight_map}
+    if generation:
+        finals[GENERATION_CONFIG] = dict(generation)
+    finals[CONFIG] = config  # last: from_pretrained starts here
+    meta = {"architecture": arch, "dtype": dtype, "dp": 1, "weights_only": True, "hf_files": finals,
+            "hf_config_origin": origin}
+    index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
+                            meta=meta)
+    return TargetSpec(index=index, files=tuple(files), commit=tuple(finals))
 
 
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()} | {"uint16": "U16", "uint32": "U32", "uint64": "U64"}
@@ -241,6 +359,11 @@ class HFWriter:
 
         return StreamPayload(write=write)
 
+    def finalize(self, records: Any, meta: Mapping[str, Any]) -> dict[str, bytes]:
+        """The index (when sharded), generation_config.json and config.json, as save_pretrained writes them."""
+        return {path: (json.dumps(content, indent=2, sort_keys=True) + "\n").encode()
+                for path, content in meta["hf_files"].items()}
+
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
     return read_hf(path)
@@ -250,8 +373,9 @@ def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
     if (opts.dp or 1, opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1, 1):
         raise PlanError(f"HF safetensors hold unsharded weights: no dp/tp/pp/ep; got dp={opts.dp} tp={opts.tp} "
                         f"pp={opts.pp} ep={opts.ep}")
-    return hf_target(index, arch=opts.arch)
+    return hf_target(index, arch=opts.arch, model_config=opts.model_config,
+                     max_shard_size=opts.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 
 
-SPEC = CheckpointFormat(name=FORMAT, description="Hugging Face safetensors weights (llama, mixtral, gpt names)",
+SPEC = CheckpointFormat(name=FORMAT, description="Hugging Face save_pretrained folders (config.json, sharded safetensors; llama, mixtral, starcoder2)",
                         detect=is_hf_checkpoint, read=_read, target=_target, writer=HFWriter())

@@ -444,7 +444,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout,
             "sharding": sharding, "common": _common_meta(common), "arch_overrides": overridden,
             "vocab_padded": _vocab_from_padded_args(common, overridden),
-            "megatron_args": args_summary(common.get("args")),
+            "megatron_args": args_summary(common.get("args")), "model_spec": saved_model_spec(common),
             "objects": objects, "optimizer_groups": groups, "iteration": common.get("iteration"),
             "model_dtype": dtype_name(tensors["embedding.word_embeddings.weight"].properties.dtype),
             "train_state": canonical_train_state(arch, common, groups,
@@ -589,6 +589,12 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
                     pieces += param_flat_pieces(arch, p, lo - start, hi - start, lo - c0)
             out.append((c, pieces))
         yield key, kind, dtype_name(tmd.properties.dtype), out
+
+
+def saved_model_spec(common: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The model spec the built-in engines save (`migrate.model`: ModelSpec fields), None when absent."""
+    model = (common.get("migrate") or {}).get("model")
+    return dict(model) if isinstance(model, Mapping) else None
 
 
 def canonical_train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any],
@@ -784,7 +790,8 @@ def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any
               "min_lr": None, "wd_mult": 1.0}
     client = dict(((ts.get("client") or {}).get(CLIENT_STATE_KEY)) or {})
     ours = {k: v for k, v in client.items() if k not in ("rng", "roles", "model", "layout")}
-    ours |= {"step": int(step), "model": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}}
+    model = dict(client.get("model") or {})  # the engines' whole spec (norm epsilon, RoPE base) stays
+    ours |= {"step": int(step), "model": model | {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}}
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
     return {"common": {"iteration": int(step), "checkpoint_version": 3.0, "migrate": ours},
             "optimizer_groups": [{"param_groups": [group, {**group, "wd_mult": 0.0}]}],

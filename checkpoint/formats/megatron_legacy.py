@@ -36,7 +36,7 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
 from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
                                          bucket_layout, canonical_train_state, check_padded_vocab, grad_buffers,
-                                         iteration_dir_name, param_dtypes, tracker_text,
+                                         iteration_dir_name, param_dtypes, saved_model_spec, tracker_text,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
                                          target_training_state, target_vpp)
@@ -234,7 +234,7 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
     meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout, "sharding": sharding,
             "common": common, "optimizer_groups": groups, "iteration": head.get("iteration"),
             "model_dtype": params_dtype, "args": _plain_args(head.get("args")), "arch_overrides": overridden,
-            "megatron_args": args_summary(head.get("args")),
+            "megatron_args": args_summary(head.get("args")), "model_spec": saved_model_spec(common),
             "opt_param_scheduler": head.get("opt_param_scheduler"),
             "train_state": canonical_train_state(arch, common, groups, rng)}
     files = tuple(sorted({c.file for e in entries for c in e.chunks}))

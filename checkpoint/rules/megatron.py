@@ -58,28 +58,25 @@ class ArchSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-_HF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "gpt2": "gpt"}
+# HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary, no biases)
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt"}
 
 
 def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ArchSpec:
-    """The ArchSpec of a model config: an HF `config.json` (llama/mistral/mixtral/gpt2-style keys, told
+    """The ArchSpec of a model config: an HF `config.json` (llama/mistral/mixtral/starcoder2 keys, told
     apart by `model_type`) or ModelSpec-style fields (the built-in engines' saved spec, the job YAML's
     `model` section: `query_groups`/`num_query_groups` default to the heads, the vocab padding to the
     job schema's 128). Raises CheckpointFormatError naming `where` and the missing or unknown keys."""
     c = dict(config)
     try:
         if "model_type" in c:
-            kind = _HF_ARCH.get(str(c["model_type"]))
+            kind = HF_MODEL_TYPES.get(str(c["model_type"]))
             if kind is None:
                 raise CheckpointFormatError(f"{where}: HF model_type {c['model_type']!r} has no Megatron rules; "
-                                            f"known: {sorted(_HF_ARCH)}")
-            if kind == "gpt":
-                hidden = int(c["n_embd"])
-                return ArchSpec(architecture="gpt", num_layers=int(c["n_layer"]), hidden_size=hidden,
-                                ffn_hidden_size=int(c.get("n_inner") or 4 * hidden),
-                                num_attention_heads=int(c["n_head"]), num_query_groups=int(c["n_head"]),
-                                vocab_size=int(c["vocab_size"]),
-                                tied_embeddings=bool(c.get("tie_word_embeddings", True)))
+                                            f"known: {sorted(HF_MODEL_TYPES)}")
+            if kind == "gpt" and c.get("use_bias", True):
+                raise CheckpointFormatError(f"{where}: starcoder2 with use_bias={c.get('use_bias', True)} (linear "
+                                            f"biases): the rules map bias-free models only")
             heads = int(c["num_attention_heads"])
             return ArchSpec(architecture=kind, num_layers=int(c["num_hidden_layers"]),
                             hidden_size=int(c["hidden_size"]),
@@ -87,7 +84,7 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
                             num_query_groups=int(c.get("num_key_value_heads") or heads),
                             vocab_size=int(c["vocab_size"]),
                             num_experts=int(c.get("num_local_experts", 0)) if kind == "mixtral" else 0,
-                            tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+                            tied_embeddings=bool(c.get("tie_word_embeddings", kind == "gpt")))  # HF's defaults
         heads = int(c["num_attention_heads"])
         groups = c.get("num_query_groups", c.get("query_groups")) or heads
         return ArchSpec(architecture=str(c["architecture"]), num_layers=int(c["num_layers"]),

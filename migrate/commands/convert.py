@@ -38,6 +38,11 @@ def read_model_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def _shard_size(text: str | None) -> int | str | None:
+    """--max-shard-size as huggingface_hub takes it: a number of bytes, or a size with its unit."""
+    return int(text) if text is not None and text.isdigit() else text
+
+
 @click.command(name="convert", help="Convert the checkpoint SRC into DST (absent or empty) for a target layout.")
 @click.argument("src", type=click.Path(path_type=Path, exists=True))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -55,10 +60,13 @@ def read_model_config(path: Path) -> dict[str, Any]:
 @click.option("--ray-address", default=None,
               help="write target files as Ray tasks on this cluster ('embedded', 'auto', HOST:PORT); "
                    "default: --workers local processes")
-@click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the source's)")
+@click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the config's)")
+@click.option("--max-shard-size", default=None,
+              help="--to hf: the largest safetensors shard, as save_pretrained takes it ('5GB', '500MB', bytes; "
+                   "default 50GB); several shards get model.safetensors.index.json")
 @click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="the architecture when the source does not record it, or to override what it records (each "
-                   "overridden field is named): an HF config.json (llama/mixtral/gpt2 keys) or a job YAML (its "
+                   "overridden field is named): an HF config.json (llama/mixtral/starcoder2 keys) or a job YAML (its "
                    "model section)")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
 @click.option("--follow-symlinks", is_flag=True,
@@ -67,7 +75,7 @@ def read_model_config(path: Path) -> dict[str, Any]:
               help="finish an unfinished conversion into DST (one that crashed), keeping the files it completed")
 @click.option("--overwrite", is_flag=True, help="replace an earlier conversion's output in DST (finished or not)")
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
-            ep: int | None, vpp: int | None,
+            ep: int | None, vpp: int | None, max_shard_size: str | None,
             dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
             model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
@@ -86,7 +94,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             map_fn = ray_map(max_in_flight=max(workers, 1))
         try:
             outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
-                              model_config=config, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
+                              model_config=config, max_shard_size=_shard_size(max_shard_size), dry_run=dry_run,
+                              map_fn=map_fn, trust_checkpoint=trust_checkpoint,
                               follow_symlinks=follow_symlinks, existing=existing)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)

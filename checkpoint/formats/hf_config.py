@@ -1,0 +1,136 @@
+"""The `config.json` of an HF output, from what the source records: pure functions over plain values.
+
+transformers' `from_pretrained` starts from `config.json`; a converted folder without one does not load. The
+model's numbers come from the first of: a given `--model-config`, the source's own `config.json` (an HF
+source, carried as it is), Megatron-LM's `args` (`rotary_base`, `norm_epsilon`, `moe_router_topk`, ...), the
+model spec the built-in engines save. A field none of them records (the norm epsilon, the RoPE base) is an
+error naming it, never a guess. `config_json` renders the fields with transformers' own config class
+(`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`) the way `save_pretrained` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint.errors import PlanError
+from checkpoint.rules.megatron import HF_MODEL_TYPES
+
+# architecture -> (transformers config class, model class, model_type)
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral"),
+              "gpt": ("Starcoder2Config", "Starcoder2ForCausalLM", "starcoder2")}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFields:
+    """What `config.json` says of a decoder, in one vocabulary; `origin` names where it was read."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tied_embeddings: bool
+    num_experts: int
+    moe_top_k: int
+    rope_theta: float
+    norm_eps: float
+    max_position_embeddings: int
+    origin: str
+
+
+def _need(d: Mapping[str, Any], field: str, origin: str) -> Any:
+    if d.get(field) is None:
+        raise PlanError(f"{origin}: no {field}; the HF config.json needs it (pass --model-config FILE: an HF "
+                        f"config.json or the job YAML's model section)")
+    return d[field]
+
+
+def fields_from_model_spec(spec: Mapping[str, Any], *, origin: str) -> ModelFields:
+    """From ModelSpec-style fields (the built-in engines' saved spec, a job's `model` section)."""
+    heads = int(_need(spec, "num_attention_heads", origin))
+    return ModelFields(
+        architecture=str(_need(spec, "architecture", origin)), num_layers=int(_need(spec, "num_layers", origin)),
+        hidden_size=int(_need(spec, "hidden_size", origin)), ffn_hidden_size=int(_need(spec, "ffn_hidden_size", origin)),
+        num_attention_heads=heads, num_query_groups=int(spec.get("num_query_groups") or spec.get("query_groups") or heads),
+        vocab_size=int(_need(spec, "vocab_size", origin)), tied_embeddings=bool(spec.get("tied_embeddings", False)),
+        num_experts=int(spec.get("num_experts") or 0), moe_top_k=int(spec.get("moe_top_k") or 2),
+        rope_theta=float(_need(spec, "rotary_base", origin)), norm_eps=float(_need(spec, "norm_eps", origin)),
+        max_position_embeddings=int(_need(spec, "seq_length", origin)), origin=origin)
+
+
+def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelFields:
+    """From Megatron-LM's args (as `args_summary` keeps them). Refuses, naming the field, what an HF Llama,
+    Mixtral or Starcoder2 cannot express: partial or interleaved rotary, RoPE scaling, zero-centred norms."""
+    odd = [f"{f}={args[f]!r}" for f, ok in (("rotary_percent", lambda v: float(v) == 1.0),
+                                             ("rotary_interleaved", lambda v: not v),
+                                             ("use_rope_scaling", lambda v: not v),
+                                             ("apply_layernorm_1p", lambda v: not v),
+                                             ("layernorm_zero_centered_gamma", lambda v: not v),
+                                             ("squared_relu", lambda v: not v),
+                                             ("openai_gelu", lambda v: not v))
+           if args.get(f) is not None and not ok(args[f])]
+    if odd:
+        raise PlanError(f"{origin}: the run uses {', '.join(odd)}; an HF config.json of "
+                        f"{'/'.join(c for c, _, _ in HF_CLASSES.values())} cannot express it")
+    heads = int(_need(args, "num_attention_heads", origin))
+    groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
+    experts = int(args.get("num_experts") or 0)
+    family = ("mixtral" if experts else "llama") if args.get("swiglu") else "gpt"
+    return ModelFields(
+        architecture=family, num_layers=int(_need(args, "num_layers", origin)),
+        hidden_size=int(_need(args, "hidden_size", origin)), ffn_hidden_size=int(_need(args, "ffn_hidden_size", origin)),
+        num_attention_heads=heads, num_query_groups=groups,
+        vocab_size=int(args.get("vocab_size") or _need(args, "padded_vocab_size", origin)),
+        tied_embeddings=not bool(args.get("untie_embeddings_and_output_weights", False)), num_experts=experts,
+        moe_top_k=int(args.get("moe_router_topk") or 2), rope_theta=float(args.get("rotary_base") or 10000),
+        norm_eps=float(args.get("norm_epsilon") or 1e-5),
+        max_position_embeddings=int(args.get("max_position_embeddings") or _need(args, "seq_length", origin)),
+        origin=origin)
+
+
+def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str, Any]:
+    """The `config.json` transformers' config class writes for `fields` (only the non-default entries, as
+    `save_pretrained` does), with the vocabulary the embedding really has (`vocab_rows`, padding included)."""
+    import transformers
+
+    if fields.architecture not in HF_CLASSES:
+        raise PlanError(f"{fields.origin}: architecture {fields.architecture!r} has no HF model class; known: "
+                        f"{sorted(HF_CLASSES)}")
+    config_cls, model_cls, _ = HF_CLASSES[fields.architecture]
+    common = dict(vocab_size=vocab_rows, hidden_size=fields.hidden_size, intermediate_size=fields.ffn_hidden_size,
+                  num_hidden_layers=fields.num_layers, num_attention_heads=fields.num_attention_heads,
+                  num_key_value_heads=fields.num_query_groups, max_position_embeddings=fields.max_position_embeddings,
+                  tie_word_embeddings=fields.tied_embeddings, architectures=[model_cls], dtype=dtype,
+                  rope_parameters={"rope_type": "default", "rope_theta": fields.rope_theta})
+    if fields.architecture == "gpt":
+        extra = dict(norm_epsilon=fields.norm_eps, hidden_act="gelu", use_bias=False, sliding_window=None,
+                     bos_token_id=None, eos_token_id=None)
+    else:
+        extra = dict(rms_norm_eps=fields.norm_eps, head_dim=fields.hidden_size // fields.num_attention_heads)
+        if fields.architecture == "mixtral":
+            extra |= dict(num_local_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
+                          sliding_window=None)
+    config = getattr(transformers, config_cls)(**common, **extra)
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+def check_config(config: Mapping[str, Any], *, arch: str, num_layers: int, hidden_size: int, vocab_rows: int,
+                 where: str) -> None:
+    """Raise PlanError when an HF `config` disagrees with the weights it is written beside (the model class,
+    the layer count, the hidden size, the embedding rows), naming each field and both values."""
+    wrong = []
+    model_type = config.get("model_type")
+    if HF_MODEL_TYPES.get(str(model_type)) != arch:
+        wrong.append(f"model_type={model_type!r} (the weights are {arch}: "
+                     f"{HF_CLASSES.get(arch, ('', '', '?'))[2]})")
+    for field, have in (("num_hidden_layers", num_layers), ("hidden_size", hidden_size), ("vocab_size", vocab_rows)):
+        if config.get(field) != have:
+            wrong.append(f"{field}={config.get(field)!r} (the weights have {have})")
+    if wrong:
+        raise PlanError(f"{where}: the HF config disagrees with the weights: {'; '.join(wrong)}")

@@ -1,0 +1,117 @@
+"""Folders written by transformers' own `save_pretrained` (sharded, with index, config.json and
+generation_config.json), converted with no extra flags, judged by `from_pretrained` on the output.
+
+Models are built from small configs (no download). Each output must load with `AutoModelForCausalLM` and give
+the source model's logits; config.json and generation_config.json are carried as they were.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from checkpoint.api import convert, read_index
+from checkpoint.errors import PlanError
+
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-6, rope_parameters={
+        "rope_type": "default", "rope_theta": 500000.0})),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(use_bias=False, tie_word_embeddings=False,
+                                                                      hidden_act="gelu", norm_epsilon=1e-5)),
+}
+
+
+def _save_pretrained(name: str, path, *, dtype=torch.float32, max_shard_size="40KB"):
+    import transformers
+
+    config_cls, model_cls, extra = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**BASE, **extra)).to(dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return model.eval()
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+TOKENS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_save_pretrained_folder_reshards_and_loads_with_the_same_logits(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    model = _save_pretrained(name, src)
+    assert (src / "model.safetensors.index.json").is_file()
+    index = read_index(src)
+    assert index.meta["hf_config"]["model_type"] == MODELS[name][1].removesuffix("ForCausalLM").lower()
+    convert(src, dst, to="hf")  # one file at the default shard size
+    assert (dst / "model.safetensors").is_file() and not (dst / "model.safetensors.index.json").exists()
+    assert json.loads((dst / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    if (src / "generation_config.json").is_file():
+        assert json.loads((dst / "generation_config.json").read_text()) == json.loads(
+            (src / "generation_config.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(dst)
+    torch.testing.assert_close(_logits(loaded, TOKENS), _logits(model, TOKENS), rtol=0, atol=0)
+
+
+def test_llama_through_deepspeed_and_back_keeps_config_and_logits(tmp_path):
+    """HF -> DeepSpeed ZeRO-3 at dp 2 (weights only) -> HF in shards: the config.json travels with the weights."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    model = _save_pretrained("llama", src)
+    convert(src, tmp_path / "ds", to="deepspeed", dp=2, zero_stage=3)
+    convert(tmp_path / "ds", tmp_path / "hf", to="hf", max_shard_size="30KB")
+    out = tmp_path / "hf"
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((src / "config.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logits(loaded, TOKENS), _logits(model, TOKENS), rtol=0, atol=0)
+
+
+def test_bf16_folder_reshards_in_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    _save_pretrained("mixtral", src, dtype=torch.bfloat16, max_shard_size="100KB")
+    convert(src, tmp_path / "hf", to="hf", max_shard_size="20KB")
+    model = AutoModelForCausalLM.from_pretrained(src)  # the source as transformers loads it (bf16 RoPE tables too)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    torch.testing.assert_close(_logits(loaded, TOKENS), _logits(model, TOKENS), rtol=0, atol=0)
+
+
+def test_config_that_disagrees_with_the_weights_is_refused_naming_fields(tmp_path):
+    src = tmp_path / "src"
+    _save_pretrained("llama", src)
+    wrong = {**json.loads((src / "config.json").read_text()), "num_hidden_layers": 3, "vocab_size": 100}
+    with pytest.raises(PlanError, match=r"num_hidden_layers=3 \(the weights have 2\).*vocab_size=100 \(the weights "
+                                        r"have 96\)"):
+        convert(src, tmp_path / "dst", to="hf", model_config=wrong)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_bad_max_shard_size_is_one_line_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    _save_pretrained("llama", src)
+    out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(src), str(tmp_path / "dst"), "--to", "hf",
+                          "--max-shard-size", "lots"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "--max-shard-size 'lots'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
