@@ -8,7 +8,10 @@ run's argparse.Namespace as `parse_args` builds it; `checkpoint_version` 3.0; `i
 `opt_param_scheduler`; `rng_state` as `get_rng_state` collects it, NumPy's state as NumPy returns it, in a
 ShardedObject over (pp, tp) with the DP rank as replica id), `num_floating_point_operations_so_far`, then
 `dist_checkpointing.save` with the fully parallel save strategy over the DP group and `content_metadata`
-from `_build_sharded_state_dict_metadata`, and rank 0 writes `latest_checkpointed_iteration.txt` last. The
+from `_build_sharded_state_dict_metadata`, and rank 0 writes `latest_checkpointed_iteration.txt` last. With
+`ckpt_format="torch"` it takes the LEGACY branch instead: `optimizer.save_parameter_state` into each
+`mp_rank_TT[_PPP][_EEE]/distrib_optim.pt`, and `model_optim_rng.pt` (`state_dict_for_save_checkpoint`,
+`optimizer.state_dict()`, the scheduler, the RNG list) torch.save'd by the DP-rank-0 ranks. The
 built-in engine's own `migrate` entry is not written. Beside it, `reference/` holds the same in-memory state
 saved fully reshardable by Megatron-Core: `plain_state(reference)` (Megatron-Core's `load_plain_tensors`) is
 the source's truth.
@@ -19,6 +22,9 @@ change for a sharding type that is not fully reshardable, RNG loaded only at the
 `check_checkpoint_args` comparisons, `dist_checkpointing.load` of the generated state dict, then model,
 optimizer, scheduler and RNG restored. It returns per rank what was restored and saves the loaded state fully
 reshardable into `<out>` so that `plain_state(out)` compares with the source's truth tensor by tensor.
+A legacy checkpoint is loaded by `load_checkpoint`'s LEGACY branch (this rank's `model_optim_rng.pt`,
+`load_parameter_state(distrib_optim.pt)`, RNG entry [0]). `megatron_logits` is Megatron-Core's own forward on a
+checkpoint's weights, the reference an HF conversion's logits are judged by.
 On CPUs without Apex/TE the built-in engine's load workarounds for 0.16.1's optimizer are applied (see
 `migrate.workload.megatron_engine`).
 """
@@ -61,6 +67,7 @@ class MegatronLMRun:
     global_batch_size: int = 8
     bucket_size: int | None = None  # --overlap-grad-reduce --ddp-bucket-size N: several grad buckets per buffer
     distributed_optimizer: bool = True  # --use-distributed-optimizer
+    ckpt_format: str = "torch_dist"  # --ckpt-format: torch_dist | torch (legacy: mp_rank_* dirs, distrib_optim.pt)
 
     @property
     def world_size(self) -> int:
@@ -72,7 +79,8 @@ class MegatronLMRun:
         buckets = f"_bucket{self.bucket_size}" if self.bucket_size else ""
         optimizer = self.sharding if self.distributed_optimizer else "plain"
         family = "moe_" if self.moe else "gpt_" if self.gpt else ""
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{family}{self.precision}_{optimizer}{buckets}"
+        legacy = "_legacy" if self.ckpt_format == "torch" else ""
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{family}{self.precision}_{optimizer}{buckets}{legacy}"
 
     def spec(self) -> RunSpec:
         return RunSpec(engine="megatron", model=MIXTRAL if self.moe else GPT if self.gpt else LLAMA, steps=self.steps, tp=self.tp,
@@ -112,7 +120,7 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=run.bucket_size is not None,
         overlap_param_gather=False,
         ddp_bucket_size=run.bucket_size, ddp_num_buckets=None, overlap_param_gather_with_optimizer_step=False,
-        ckpt_format="torch_dist", use_dist_ckpt=True, ckpt_fully_parallel_save=True,
+        ckpt_format=run.ckpt_format, use_dist_ckpt=run.ckpt_format != "torch", ckpt_fully_parallel_save=True,
         dist_ckpt_optim_fully_reshardable=run.sharding == "fully_reshardable",
         distrib_optim_fully_reshardable_mem_efficient=False, no_save_optim=None, no_save_rng=None,
         bf16=bf16, fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float, main_grads_dtype=torch.float32,
@@ -240,6 +248,57 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
     torch.distributed.barrier()
 
 
+def _legacy_rank_dir(path: str) -> str:
+    """`get_checkpoint_name`'s directory for this rank: mp_rank_TT[_PPP][_EEE]."""
+    from megatron.core import parallel_state as ps
+
+    from migrate.workload.megatron_legacy import rank_dir_name
+
+    return os.path.join(path, rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(),
+                                            pp_rank=ps.get_pipeline_model_parallel_rank(),
+                                            ep_rank=ps.get_expert_model_parallel_rank(),
+                                            pp=ps.get_pipeline_model_parallel_world_size(),
+                                            ep=ps.get_expert_model_parallel_world_size()))
+
+
+def _legacy_rng_state() -> list[dict[str, Any]]:
+    """`get_rng_state` for ckpt_format torch (data_parallel_random_init off): a list of this rank's one state."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
+
+
+def _save_legacy(args: Any, chunks: list, optimizer: Any, scheduler: Any, path: str, run: MegatronLMRun) -> None:
+    """`save_checkpoint`'s LEGACY branch: `optimizer.save_parameter_state(distrib_optim.pt)` on every rank (DP
+    rank 0 writes), then `generate_state_dict` with `state_dict_for_save_checkpoint` and `optimizer.state_dict()`
+    torch.save'd by the ranks whose DP or expert-DP rank is 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    rank_dir = _legacy_rank_dir(path)
+    rng = _legacy_rng_state()
+    os.makedirs(rank_dir, exist_ok=True)
+    torch.distributed.barrier()
+    if run.distributed_optimizer:
+        optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+        sd: dict[str, Any] = {"args": args, "checkpoint_version": 3.0, "iteration": run.steps}
+        model = unwrap_model(chunks)
+        for i, chunk in enumerate(model):
+            sd["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        sd["optimizer"] = optimizer.state_dict()
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+        sd["rng_state"] = rng
+        sd["num_floating_point_operations_so_far"] = FLOPS_SO_FAR
+        torch.save(sd, os.path.join(rank_dir, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+
+
 def _save_reference(chunks: list, optimizer: Any, path: str) -> None:
     """The in-memory model and optimizer state saved fully reshardable (global tensors, any layout)."""
     from megatron.core.utils import unwrap_model
@@ -276,10 +335,14 @@ def _rank_save(ctx: Any, run: MegatronLMRun, save_dir: str) -> dict[str, Any]:
                 scheduler.step(increment=t.global_batch_size)
             md = _metadata(run.sharding if run.distributed_optimizer else None)
             path = os.path.join(save_dir, f"iter_{run.steps:07d}")
-            sd = _state_dict(megatron_lm_args(run, iteration=run.steps), chunks, optimizer, scheduler, md,
-                             iteration=run.steps, rng=_rng_state(), loading=False)
-            sd["num_floating_point_operations_so_far"] = FLOPS_SO_FAR
-            _save(sd, path, md)
+            args = megatron_lm_args(run, iteration=run.steps)
+            if run.ckpt_format == "torch":
+                _save_legacy(args, chunks, optimizer, scheduler, path, run)
+            else:
+                sd = _state_dict(args, chunks, optimizer, scheduler, md, iteration=run.steps, rng=_rng_state(),
+                                 loading=False)
+                sd["num_floating_point_operations_so_far"] = FLOPS_SO_FAR
+                _save(sd, path, md)
             _write_tracker(save_dir, run.steps)
             _save_reference(chunks, optimizer, os.path.join(save_dir, "reference"))
             return {"losses": result.losses, "adam_steps": _adam_steps(optimizer),
@@ -305,6 +368,59 @@ def _check_checkpoint_args(ckpt_args: Any, args: Any) -> None:
         got, want = getattr(ckpt_args, name), getattr(args, name)
         assert got == want, f"{name} value from checkpoint ({got}) is not equal to the input argument value ({want})."
     assert getattr(ckpt_args, "add_position_embedding", True) == args.add_position_embedding
+
+
+def _rank_load_legacy(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[str, Any]:
+    """`load_checkpoint` for ckpt_format torch: this rank's model_optim_rng.pt (`torch.load`, as Megatron-LM does
+    it), `check_checkpoint_args`, then model, `optimizer.load_state_dict`, `load_parameter_state(distrib_optim.pt)`,
+    the scheduler and RNG entry [0]. The file must be at this rank's TP/PP/EP (Megatron-LM cannot reshard it)."""
+    from megatron.core import parallel_state as ps
+
+    from checkpoint.state.rng import fingerprint, from_megatron
+    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron_engine import (_keep_step_on_fully_reshardable_load, _restore_adam_steps,
+                                                  _restore_rng, rank_rng_state, saved_adam_steps)
+
+    torch.set_num_threads(1)
+    with cpu_device_adapter():
+        chunks, optimizer, scheduler, spec = _setup(ctx, run)
+        try:
+            path, tracker_iteration = _checkpoint_dir(load_dir)
+            rank_dir = _legacy_rank_dir(path)
+            state = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+            ckpt_args = state["args"]
+            saved = (ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size)
+            assert saved == (run.tp, run.pp), f"{rank_dir}: saved at (tp, pp) {saved}, loading at {(run.tp, run.pp)}"
+            _check_checkpoint_args(ckpt_args, megatron_lm_args(run, iteration=0))
+            if len(chunks) == 1:
+                chunks[0].module.load_state_dict(state["model"], strict=True)
+            else:
+                for i, chunk in enumerate(chunks):
+                    chunk.module.load_state_dict(state[f"model{i}"], strict=True)
+            steps = saved_adam_steps(state["optimizer"])
+            with torch.no_grad():
+                optimizer.load_state_dict(state["optimizer"])
+                if run.distributed_optimizer:
+                    _keep_step_on_fully_reshardable_load(optimizer)
+                    optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+            if steps:
+                _restore_adam_steps(optimizer, max(steps))
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+            _restore_rng(state["rng_state"], rank_dir, "cuda")
+            _save_reference(chunks, optimizer, out)
+            return {"iteration": int(state["iteration"]), "tracker_iteration": tracker_iteration,
+                    "consumed_train_samples": getattr(ckpt_args, "consumed_train_samples", 0),
+                    "flops": state.get("num_floating_point_operations_so_far", 0),
+                    "adam_steps": _adam_steps(optimizer), "saved_adam_steps": sorted(steps),
+                    "scheduler_num_steps": scheduler.num_steps, "rng_loaded": True,
+                    "rng_fingerprint": fingerprint(from_megatron(rank_rng_state("cuda"))), "sharding": "legacy",
+                    "ckpt_args_layout": (ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size,
+                                         getattr(ckpt_args, "data_parallel_size", None),
+                                         getattr(ckpt_args, "world_size", None)),
+                    "ckpt_format": getattr(ckpt_args, "ckpt_format", None),
+                    "pp_rank": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+        finally:
+            ps.destroy_model_parallel()
 
 
 def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[str, Any]:
@@ -393,12 +509,14 @@ def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) 
     """Load `load_dir` at `run`'s layout as Megatron-LM's `load_checkpoint` does; the loaded state is saved fully
     reshardable into `out` (`plain_state(out)`); per rank what was restored."""
     with _group(run.world_size) as group:
-        return group.run(_rank_load, run, str(load_dir), str(out))
+        return group.run(_rank_load_legacy if run.ckpt_format == "torch" else _rank_load, run, str(load_dir),
+                         str(out))
 
 
 def megatron_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    """The logits Megatron-Core's GPTModel gives for `tokens` (batch, seq) with the weights of the save dir
-    `load_dir`, built at tp 1, pp 1 in fp32 (bf16 weights load exactly into it) on one rank, in eval mode."""
+    """The logits Megatron-Core's GPTModel gives for `tokens` (batch, seq) with the weights of the torch_dist save
+    dir (or iteration dir) `load_dir`, built at tp 1, pp 1 in fp32 (bf16 weights load exactly into it) on one
+    rank, in eval mode."""
     one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None)
     with _group(1) as group:
         return group.run(_rank_logits, one, str(load_dir), tokens)[0]
@@ -415,7 +533,8 @@ def _rank_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tens
     with cpu_device_adapter():
         chunks, _, _, _ = _setup(ctx, run)
         try:
-            path, _ = _checkpoint_dir(load_dir)
+            tracked = os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt"))
+            path = _checkpoint_dir(load_dir)[0] if tracked else load_dir
             model = unwrap_model(chunks)[0]
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=_metadata(None))}, path)
             model.load_state_dict(loaded["model"], strict=True)

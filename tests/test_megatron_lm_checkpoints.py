@@ -1,6 +1,7 @@
 """Checkpoints as Megatron-LM writes them, converted with no extra flags, judged by Megatron-LM's load decisions.
 
-Sources are written by `tests/megatron_lm_fixtures.py` following `megatron/training/checkpointing.py` (args
+Sources are written by `tests/megatron_lm_fixtures.py` following `megatron/training/checkpointing.py` for
+`--ckpt-format torch_dist` and for the legacy `torch` format (args
 Namespace, content_metadata, opt_param_scheduler, NumPy RNG state, fully parallel save, tracker file; no entry
 of ours). Each conversion is loaded at the target layout the way `load_checkpoint` does it (tracker, args, the
 sharding type from content_metadata, RNG only at the saved TP/PP) and every weight, fp32 main param, both Adam
@@ -37,14 +38,22 @@ EP2_MOE = MegatronLMRun(dp=2, ep=2, moe=True)
 BUCKETS = MegatronLMRun(tp=2, dp=2, bucket_size=6000)  # --overlap-grad-reduce --ddp-bucket-size 6000
 PLAIN = MegatronLMRun(dp=2, distributed_optimizer=False)
 GPT_TP2 = MegatronLMRun(tp=2, gpt=True)  # GELU + LayerNorm
+LEGACY_DP2 = MegatronLMRun(dp=2, ckpt_format="torch")  # --ckpt-format torch: mp_rank_* dirs, distrib_optim.pt
+LEGACY_TP2_BF16 = MegatronLMRun(tp=2, precision="bf16", ckpt_format="torch")
+LEGACY_EP2_MOE = MegatronLMRun(dp=2, ep=2, moe=True, ckpt_format="torch")
 
-# (source, target layout (tp, pp, dp, ep)): every axis grown and shrunk, world sizes 1 to 4, both sharding types
+# (source, target layout (tp, pp, dp, ep), target format): every axis grown and shrunk, world sizes 1 to 4, both
+# sharding types, both checkpoint formats each way
 CASES = [
-    (DP2, (2, 1, 1, 1)),
-    (DP2, (1, 2, 2, 1)),
-    (TP2_BF16, (1, 2, 1, 1)),
-    (PP2_FULLY, (2, 1, 2, 1)),
-    (EP2_MOE, (1, 1, 1, 1)),
+    (DP2, (2, 1, 1, 1), "megatron"),
+    (DP2, (1, 2, 2, 1), "megatron"),
+    (TP2_BF16, (1, 2, 1, 1), "megatron"),
+    (PP2_FULLY, (2, 1, 2, 1), "megatron"),
+    (EP2_MOE, (1, 1, 1, 1), "megatron"),
+    (TP2_BF16, (1, 1, 2, 1), "megatron-legacy"),
+    (LEGACY_DP2, (2, 1, 1, 1), "megatron-legacy"),
+    (LEGACY_TP2_BF16, (1, 2, 2, 1), "megatron"),
+    (LEGACY_EP2_MOE, (1, 1, 1, 1), "megatron-legacy"),
 ]
 
 
@@ -75,22 +84,24 @@ def source_truth(megatron_lm_checkpoint):
 
 
 def _name(case) -> str:
-    run, (tp, pp, dp, ep) = case
-    return f"{run.name}-to-tp{tp}pp{pp}dp{dp}ep{ep}"
+    run, (tp, pp, dp, ep), to = case
+    return f"{run.name}-to-{to}-tp{tp}pp{pp}dp{dp}ep{ep}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_name(c) for c in CASES])
 def test_megatron_lm_loads_the_conversion_with_every_state_equal(megatron_lm_checkpoint, source_truth, tmp_path,
                                                                  case):
-    run, (tp, pp, dp, ep) = case
+    run, (tp, pp, dp, ep), to = case
     src, saved = megatron_lm_checkpoint(run)
     dst = tmp_path / "converted"
-    convert(src, dst, to="megatron", tp=tp, pp=pp, dp=dp, ep=ep)
+    convert(src, dst, to=to, tp=tp, pp=pp, dp=dp, ep=ep)
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == str(run.steps)
-    target = MegatronLMRun(tp=tp, pp=pp, dp=dp, ep=ep, moe=run.moe, precision=run.precision, steps=run.steps)
+    legacy = to == "megatron-legacy"
+    target = MegatronLMRun(tp=tp, pp=pp, dp=dp, ep=ep, moe=run.moe, precision=run.precision, steps=run.steps,
+                           ckpt_format="torch" if legacy else "torch_dist")
     loaded = load_megatron_lm(target, dst, tmp_path / "loaded")
     first = loaded[0]
-    assert first["sharding"] == "fully_reshardable"
+    assert first["sharding"] == ("legacy" if legacy else "fully_reshardable")
     assert first["ckpt_args_layout"] == (tp, pp, dp, tp * pp * dp)  # what Megatron-LM compares with its run
     assert all(r["rng_loaded"] for r in loaded)  # args name the target's TP/PP, so the RNG state is restored
     for r in loaded:
@@ -155,21 +166,23 @@ def test_megatron_lm_refuses_the_source_at_another_tp_but_not_the_conversion(meg
         load_megatron_lm(MegatronLMRun(tp=2), src, tmp_path / "never")
 
 
-def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint):
-    src, _ = megatron_lm_checkpoint(TP2_BF16)
+@pytest.mark.parametrize("run,fmt,sharding", [(TP2_BF16, "megatron", "dp_reshardable"),
+                                              (LEGACY_TP2_BF16, "megatron-legacy", "dp_zero")])
+def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint, run, fmt, sharding):
+    src, _ = megatron_lm_checkpoint(run)
     out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(src), "--json"], capture_output=True,
                          text=True, check=True)
     info = json.loads(out.stdout)
-    assert info["format"] == "megatron" and info["layout"]["tp"] == 2 and info["layout"]["dp"] == 1
+    assert info["format"] == fmt and info["layout"]["tp"] == 2 and info["layout"]["dp"] == 1
     assert info["global_step"] == 2 and info["model_dtype"] == "bfloat16"
-    assert info["optimizer_sharding"] == "dp_reshardable"
+    assert info["optimizer_sharding"] == sharding
     args = info["megatron_args"]
     assert args["num_layers"] == 2 and args["num_query_groups"] == 2 and args["normalization"] == "RMSNorm"
     assert args["params_dtype"] == "bfloat16" and args["consumed_train_samples"] == 16
     assert info["architecture"]["architecture"] == "llama" and info["architecture"]["vocab_size"] == 128
     text = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(src)], capture_output=True, text=True,
                           check=True).stdout
-    assert "megatron-lm" in text and "num_query_groups=2" in text and "dp_reshardable" in text
+    assert "megatron-lm" in text and "num_query_groups=2" in text and sharding in text
 
 
 def test_unknown_unpadded_vocab_refuses_a_tp_that_pads_differently(megatron_lm_checkpoint, tmp_path):
@@ -234,7 +247,7 @@ def test_megatron_lm_checkpoint_converts_to_the_other_formats(megatron_lm_checkp
 
 
 HF_CASES = [(DP2, "LlamaForCausalLM"), (TP2_BF16, "LlamaForCausalLM"), (EP2_MOE, "MixtralForCausalLM"),
-            (GPT_TP2, "Starcoder2ForCausalLM")]
+            (GPT_TP2, "Starcoder2ForCausalLM"), (LEGACY_TP2_BF16, "LlamaForCausalLM")]
 
 
 @pytest.mark.parametrize("run,model_class", HF_CASES, ids=[r.name for r, _ in HF_CASES])
@@ -269,7 +282,8 @@ def test_transformers_loads_the_hf_conversion_and_gives_megatron_logits(megatron
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = model(tokens).logits
-    want = megatron_logits(run, src, tokens)
+    # the legacy files load only at their own TP: Megatron-Core's forward runs on the same state saved beside them
+    want = megatron_logits(run, src / "reference" if run.ckpt_format == "torch" else src, tokens)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

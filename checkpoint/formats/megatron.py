@@ -55,6 +55,7 @@ from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, 
                                        stored_rules, tp_local_cols, tp_local_rows)
 
 FORMAT = "megatron"
+LEGACY_FORMAT = "megatron-legacy"  # checkpoint.formats.megatron_legacy's (which imports this module)
 STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
 _DPR_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                      r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
@@ -796,8 +797,24 @@ def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any
     return {"common": {"iteration": int(step), "checkpoint_version": 3.0, "migrate": ours},
             "optimizer_groups": [{"param_groups": [group, {**group, "wd_mult": 0.0}]}],
             "model_dtype": params[0].dtype if params else "float32", "objects": [],
-            "new_objects": [[f"{mod}._extra_state/shard_{i}_{arch.num_layers}", [None]]
-                            for i in range(arch.num_layers) for mod in _EXTRA_STATE_MODULES]}
+            "new_objects": extra_state_objects(arch)}
+
+
+def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
+    """The layers' empty `_extra_state` ShardedObjects a torch_dist checkpoint holds and a source without them
+    (another format, the legacy files) lacks: (key, [None]) per layer and module."""
+    return [[f"{mod}._extra_state/shard_{i}_{arch.num_layers}", [None]]
+            for i in range(arch.num_layers) for mod in _EXTRA_STATE_MODULES]
+
+
+def legacy_meta_for_dist(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+    """A legacy (`--ckpt-format torch`) source's state in the torch_dist writer's terms: its common state (args,
+    iteration, checkpoint_version, FLOP count) with the scheduler, which torch_dist keeps in common.pt, its own
+    optimizer param groups, and the `_extra_state` objects the legacy files do not hold."""
+    common = dict(source.meta.get("common") or {})
+    if source.meta.get("opt_param_scheduler") is not None:
+        common["opt_param_scheduler"] = source.meta["opt_param_scheduler"]
+    return {"common": common, "objects": [], "new_objects": extra_state_objects(arch)}
 
 
 def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
@@ -816,7 +833,12 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     refuse_shared_params(source, "megatron")
     refuse_frozen_params(source, "megatron")
     arch = source_arch(source, model_config)
-    m = source.meta if source.format == FORMAT else {**source.meta, **megatron_meta_from(source, arch)}
+    if source.format == FORMAT:
+        m = source.meta
+    elif source.format == LEGACY_FORMAT:
+        m = {**source.meta, **legacy_meta_for_dist(source, arch)}
+    else:
+        m = {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
     check_padded_vocab(source, arch, tp)
     state = target_training_state(m, layout)

@@ -34,7 +34,7 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
-from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
+from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
                                          bucket_layout, canonical_train_state, check_padded_vocab, grad_buffers,
                                          iteration_dir_name, param_dtypes, saved_model_spec, tracker_text,
                                          domain_params, megatron_meta_from, param_flat_pieces,
@@ -48,7 +48,7 @@ from checkpoint.formats.megatron_args import args_summary, as_mapping
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
 from checkpoint.state.training_state import STATE_REPORT_FILE
 
-FORMAT = "megatron-legacy"
+FORMAT = LEGACY_FORMAT
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
