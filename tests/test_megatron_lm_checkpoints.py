@@ -236,14 +236,39 @@ def test_cli_names_the_unmapped_field_in_one_line(megatron_lm_checkpoint, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("to,options", [("hf", {}), ("dcp", {"dp": 2}), ("deepspeed", {"dp": 2, "zero_stage": 1}),
-                                        ("megatron-legacy", {"tp": 2, "dp": 1})])
-def test_megatron_lm_checkpoint_converts_to_the_other_formats(megatron_lm_checkpoint, tmp_path, to, options):
-    from checkpoint.verify import compare_indexes
+# (source, target format, target layout): DeepSpeed ZeRO 1 and 3 and DCP at world sizes 2 and 3, fp32 and bf16,
+# torch_dist and legacy sources
+OTHER_CASES = [(DP2, "deepspeed", {"dp": 2, "zero_stage": 1}), (TP2_BF16, "deepspeed", {"dp": 3, "zero_stage": 3}),
+               (LEGACY_TP2_BF16, "dcp", {"dp": 2}), (PP2_FULLY, "dcp", {"dp": 3})]
 
-    src, _ = megatron_lm_checkpoint(TP2_BF16)
-    outcome = convert(src, tmp_path / to, to=to, **options)
-    assert compare_indexes(outcome.plan.source, read_index(tmp_path / to)) == []
+
+@pytest.mark.parametrize("run,to,options", OTHER_CASES, ids=[f"{r.name}-to-{t}-{'-'.join(f'{k}{v}' for k, v in o.items())}"
+                                                             for r, t, o in OTHER_CASES])
+def test_deepspeed_and_dcp_load_the_conversion_with_every_state_equal(megatron_lm_checkpoint, tmp_path, run, to,
+                                                                      options):
+    """Megatron-LM's checkpoint -> DeepSpeed / DCP with no flags: DeepSpeed's `load_checkpoint` (or DCP's load into
+    FSDP2 + AdamW) at the target world size restores every weight, fp32 master, both Adam moments and the step of
+    the source (as its reader gives them; the reader is Megatron-Core-exact by the tests above) bit for bit."""
+    from tests.framework_loads import dcp_loaded, deepspeed_loaded
+
+    src, _ = megatron_lm_checkpoint(run)
+    dst = tmp_path / to
+    convert(src, dst, to=to, **options)
+    truth = {(e.key.name, str(e.key.kind)): t for e, t in iter_tensors(read_index(src))}
+    model = run.spec().model
+    if to == "deepspeed":
+        loaded, steps = deepspeed_loaded(model, dst, precision=run.precision, **options)
+    else:
+        loaded, steps = dcp_loaded(model, dst, precision=run.precision, **options)
+    assert steps == [float(run.steps)]
+    names = {n for n, k in truth if k == "param"}
+    assert {n for n, _ in loaded} == names
+    # DeepSpeed's bf16 module holds every weight in bf16 (the source keeps its norms in fp32): its weights are the
+    # source's in the module's dtype; masters and moments keep theirs
+    want = {key: truth[key].to(tensor.dtype) if key[1] == "param" else truth[key] for key, tensor in loaded.items()}
+    unequal = [key for key, tensor in loaded.items()
+               if want[key].dtype != tensor.dtype or not torch.equal(want[key], tensor)]
+    assert not unequal, f"{to} loads these unlike the source: {unequal}"
 
 
 HF_CASES = [(DP2, "LlamaForCausalLM"), (TP2_BF16, "LlamaForCausalLM"), (EP2_MOE, "MixtralForCausalLM"),
