@@ -134,15 +134,16 @@ def resolve_key(obj: Any, key: KeyPath, *, file: str) -> Any:
 
 def load_range(path: Path, offset: int, length: int, *, trust_checkpoint: bool = False) -> Any:
     """The object torch.save'd at bytes [offset, offset + length) of `path`, loaded with weights_only=True
-    and the allow-list (`safe_load`); a global outside it raises UntrustedCheckpointError naming the file
-    and the global, unless trust_checkpoint."""
+    and the allow-list for stored values (`safe_load.OBJECT_GLOBALS`: what DeepSpeed and Megatron store, and
+    BytesIO, which torchtitan's train state and Megatron-Core's extra states are); a global outside it raises
+    UntrustedCheckpointError naming the file and the global, unless trust_checkpoint."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if offset + length > size:
             raise CheckpointFormatError(f"{path}: needs bytes [{offset}, {offset + length}) but the file has {size} "
                                         f"(truncated?)")
     needed = safe_load.range_globals(path, offset, length)
-    refused = sorted(n for n in needed if n not in safe_load.ALLOWED_GLOBALS)
+    refused = sorted(n for n in needed if n not in safe_load.OBJECT_GLOBALS)
     if refused and not trust_checkpoint:
         raise UntrustedCheckpointError(f"{path}: the object at bytes [{offset}, {offset + length}) needs "
                                        f"{', '.join(refused)} (not in the allow-list of classes that DeepSpeed/"

@@ -16,7 +16,9 @@ loader reshards on load anyway, so any world size loads it.
 
 from __future__ import annotations
 
+import difflib
 import io
+import math
 import pickle
 import uuid
 from collections.abc import Mapping, Sequence
@@ -32,7 +34,8 @@ from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
                                      refuse_tied_embeddings)
-from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.formats.dcp_layout import DCPLayout, find_layout, optimizer_item, param_groups, param_name
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
@@ -127,10 +130,14 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
     storage = storage_by_index(md, root)
     files = check_data_files(md, root)
     planner_data = dict(md.planner_data or {})
+    paths = {fqn: tuple(str(p) for p in planner_data.get(fqn, tuple(fqn.split(".")))) for fqn in md.state_dict_metadata}
+    tensor_bytes = {paths[fqn]: math.prod(item.size) * dtype_size(dtype_name(item.properties.dtype))
+                    for fqn, item in md.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}
+    layout = find_layout(tensor_bytes, where=str(root))
     entries: list[TensorEntry] = []
     values: dict[tuple[Any, ...], Any] = {}
     for fqn, item in md.state_dict_metadata.items():
-        path_ = tuple(planner_data.get(fqn, tuple(fqn.split("."))))
+        path_ = paths[fqn]
         if isinstance(item, BytesStorageMetadata):
             info = storage.get((fqn, None))
             if info is None:
@@ -140,7 +147,10 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
             continue
         if not isinstance(item, TensorStorageMetadata):
             raise CheckpointFormatError(f"{root}: {fqn} has unknown metadata {type(item).__name__}")
-        key = _tensor_key(path_, fqn, root)
+        key = _tensor_key(layout, path_)
+        if key is None:  # neither model nor Adam state (torchtitan's train_state.step, ...): carried as a value
+            values[path_] = _small_tensor(root, fqn, item, storage, trust_checkpoint)
+            continue
         chunks = []
         for c in item.chunks:
             info = storage.get((fqn, tuple(c.offsets)))
@@ -152,8 +162,8 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
                             chunks=tuple(chunks))
         entry.check_complete()
         entries.append(entry)
+    _check_names(entries, root)
     world = len([f for f in files if f.endswith(".distcp")])
-    nested = _nest(values)
     dp, tp = _saved_layout(entries, world, root)
     if expect_dp is not None and expect_dp != dp:
         raise LayoutMismatchError(f"{root}: declared dp={expect_dp} but the checkpoint was saved at dp={dp} "
@@ -162,7 +172,33 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
         raise LayoutMismatchError(f"{root}: declared tp={expect_tp} but the checkpoint was saved at tp={tp} "
                                   f"(dp={dp}, {world} rank files)")
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=(METADATA, *files),
-                           meta=_meta(entries, nested, world, dp=dp, tp=tp))
+                           meta=_meta(entries, values, layout, world, dp=dp, tp=tp))
+
+
+_SMALL_TENSOR = 1 << 20  # bytes: a counter or buffer beside the model, not a weight
+
+
+def _small_tensor(root: Path, fqn: str, item: Any, storage: Mapping[Any, Any], trust_checkpoint: bool) -> Any:
+    """A tensor outside the model and optimizer, loaded whole to be carried as a value."""
+    size = math.prod(item.size) * dtype_size(dtype_name(item.properties.dtype))
+    if size > _SMALL_TENSOR or len(item.chunks) != 1:
+        raise CheckpointFormatError(f"{root}: tensor {fqn} ({list(item.size)}, {len(item.chunks)} chunks) is neither "
+                                    f"a model parameter nor Adam state (exp_avg, exp_avg_sq, step) and too large to "
+                                    f"carry as a value")
+    info = storage.get((fqn, tuple(item.chunks[0].offsets)))
+    if info is None:
+        raise CheckpointFormatError(f"{root}: no storage entry for {fqn}")
+    return load_range(root / info.relative_path, info.offset, info.length, trust_checkpoint=trust_checkpoint)
+
+
+def _check_names(entries: Sequence[TensorEntry], root: Path) -> None:
+    """Every parameter with Adam state has a weight (the model and optimizer name the same parameters)."""
+    params = {e.key.name for e in entries if e.key.kind is Kind.PARAM}
+    orphans = sorted({e.key.name for e in entries if e.key.kind is not Kind.PARAM} - params)
+    if orphans:
+        close = difflib.get_close_matches(orphans[0], sorted(params), n=3)
+        raise CheckpointFormatError(f"{root}: Adam state for {orphans[:3]}{'...' if len(orphans) > 3 else ''} but no "
+                                    f"model tensor of that name (closest: {close})")
 
 
 def _saved_layout(entries: Sequence[TensorEntry], world: int, root: Path) -> tuple[int, int]:
@@ -180,37 +216,48 @@ def _saved_layout(entries: Sequence[TensorEntry], world: int, root: Path) -> tup
     return world // tp, tp
 
 
-def _tensor_key(path: tuple[Any, ...], fqn: str, root: Path) -> TensorKey:
-    if len(path) == 2 and path[0] == "model":
-        return TensorKey(name=str(path[1]), kind=Kind.PARAM)
-    if len(path) == 4 and path[:2] == ("optimizer", "state") and path[3] in _OPTIM_KINDS:
-        return TensorKey(name=str(path[2]), kind=_OPTIM_KINDS[path[3]])
-    raise CheckpointFormatError(f"{root}: tensor {fqn} (path {list(path)}) is neither a model parameter nor Adam "
-                                f"state (exp_avg, exp_avg_sq, step)")
+def _tensor_key(layout: DCPLayout, path: tuple[str, ...]) -> TensorKey | None:
+    """The canonical key of the tensor at `path`: Adam state, a model parameter, or None (carried as a value)."""
+    item = optimizer_item(path)
+    if item is not None and layout.optimizer_root is not None:
+        return TensorKey(name=item[1], kind=_OPTIM_KINDS[item[2]])
+    name = param_name(layout, path)
+    return None if name is None else TensorKey(name=name, kind=Kind.PARAM)
 
 
-def _meta(entries: Sequence[TensorEntry], values: Mapping[str, Any], world: int, *, dp: int | None = None,
-          tp: int = 1) -> dict[str, Any]:
+def _scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _meta(entries: Sequence[TensorEntry], values: Mapping[tuple[Any, ...], Any], layout: DCPLayout, world: int, *,
+          dp: int | None = None, tp: int = 1) -> dict[str, Any]:
     params = [e for e in entries if e.key.kind is Kind.PARAM]
-    optim = values.get("optimizer", {})
-    groups = optim.get("param_groups", []) if isinstance(optim, Mapping) else []
-    others = {k: v for k, v in values.items() if k != "optimizer"}
+    names = [e.key.name for e in params]
+    groups = param_groups(layout, values, names)
+    optim_root = layout.optimizer_root
+    outside = {p: v for p, v in values.items() if optim_root is None or p[:len(optim_root)] != optim_root}
+    others = _nest(outside)
     client = {k: v for k, v in others.items() if k != "lr_scheduler"}
     step = None
     if isinstance(client.get("migrate"), Mapping):
         step = client["migrate"].get("step")
+    elif isinstance(client.get("train_state"), Mapping) and client["train_state"].get("step") is not None:
+        step = int(_scalar(client["train_state"]["step"]))  # torchtitan's TrainState
     return {
         "dp": world if dp is None else dp,
         "tp": tp,
         "world_size": world,
         "dtype": params[0].dtype if params else "float32",
         "global_steps": step,
+        "dcp_layout": layout.describe(),
         "dcp_values": others,
         "train_state": {
             "step": step,
             "lr_scheduler": others.get("lr_scheduler"),
             "client": client,
-            "param_names": [e.key.name for e in params],
+            "param_names": names,
             "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
             "optimizer_group_params": [list(g.get("params", [])) for g in groups],
         },

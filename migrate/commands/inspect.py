@@ -45,6 +45,7 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "architecture": meta.get("arch"),
         "architecture_overrides": list(meta.get("arch_overrides") or ()),
         "megatron_args": dict(meta.get("megatron_args") or {}),
+        "dcp_layout": meta.get("dcp_layout"),
     }
 
 
@@ -66,6 +67,8 @@ def render(info: dict[str, Any]) -> str:
 
 def _architecture_lines(info: dict[str, Any]) -> list[str]:
     lines = []
+    if info["dcp_layout"]:
+        lines.append(f"  found       {info['dcp_layout']}")
     if info["optimizer_sharding"]:
         lines.append(f"  optimizer   {info['optimizer_sharding']}")
     if arch := info["architecture"]:
