@@ -230,6 +230,8 @@ def summarize(plan: ConversionPlan) -> str:
             e.key.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ) for e in plan.source.entries):
         lines.append("  optimizer state: ABSENT in the source (weights only): the target holds no Adam moments "
                      "or step; training resumes with a fresh optimizer")
+    if note := plan.target.index.meta.get("start_note"):
+        lines.append(f"  target: {note}")
     derived = sorted({it.tensor.name for it in plan.items if it.cast})
     if derived:
         lines.append(f"  {len(derived)} params derived from the fp32 master (cast)")

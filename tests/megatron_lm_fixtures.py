@@ -68,6 +68,7 @@ class MegatronLMRun:
     bucket_size: int | None = None  # --overlap-grad-reduce --ddp-bucket-size N: several grad buckets per buffer
     distributed_optimizer: bool = True  # --use-distributed-optimizer
     ckpt_format: str = "torch_dist"  # --ckpt-format: torch_dist | torch (legacy: mp_rank_* dirs, distrib_optim.pt)
+    model: ModelSpec | None = None  # another model than the family's tiny default
 
     @property
     def world_size(self) -> int:
@@ -83,7 +84,8 @@ class MegatronLMRun:
         return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{family}{self.precision}_{optimizer}{buckets}{legacy}"
 
     def spec(self) -> RunSpec:
-        return RunSpec(engine="megatron", model=MIXTRAL if self.moe else GPT if self.gpt else LLAMA, steps=self.steps, tp=self.tp,
+        model = self.model or (MIXTRAL if self.moe else GPT if self.gpt else LLAMA)
+        return RunSpec(engine="megatron", model=model, steps=self.steps, tp=self.tp,
                        pp=self.pp, ep=self.ep, distributed_optimizer=self.distributed_optimizer,
                        sequence_parallel=self.moe and self.tp > 1,
                        train=TrainSpec(global_batch_size=self.global_batch_size, precision=self.precision))
@@ -503,6 +505,38 @@ def save_megatron_lm(run: MegatronLMRun, save_dir: str | Path) -> list[dict[str,
     """Train `run` and save it as Megatron-LM does into `save_dir` (plus `save_dir/reference`); per rank results."""
     with _group(run.world_size) as group:
         return group.run(_rank_save, run, str(save_dir))
+
+
+def finetune_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Load `load_dir` at `run`'s layout (pp 1) as Megatron-LM's `load_checkpoint` does with --finetune (the model
+    only: no optimizer, scheduler or RNG state; iteration 0) and return the logits of `tokens`, gathered over TP."""
+    with _group(run.world_size) as group:
+        return group.run(_rank_finetune_logits, run, str(load_dir), tokens)[0]
+
+
+def _rank_finetune_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.utils import unwrap_model
+
+    from migrate.device.cpu_adapter import cpu_device_adapter
+
+    torch.set_num_threads(1)
+    with cpu_device_adapter():
+        chunks, _, _, _ = _setup(ctx, run)
+        try:
+            path, _ = _checkpoint_dir(load_dir)
+            model = unwrap_model(chunks)[0]
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=_metadata(None))}, path)
+            model.load_state_dict(loaded["model"], strict=True)
+            model.eval()
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
+            with torch.no_grad():
+                logits = model(tokens, positions, None)
+                return gather_from_tensor_model_parallel_region(logits).float()
+        finally:
+            ps.destroy_model_parallel()
 
 
 def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) -> list[dict[str, Any]]:

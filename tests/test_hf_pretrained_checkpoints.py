@@ -7,6 +7,7 @@ the source model's logits; config.json and generation_config.json are carried as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,3 +116,33 @@ def test_bad_max_shard_size_is_one_line_naming_it(tmp_path):
                           "--max-shard-size", "lots"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "--max-shard-size 'lots'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_hf_model_becomes_a_megatron_pretrained_start_with_the_same_logits(tmp_path):
+    """HF -> Megatron torch_dist at TP2 x DP2 with no flags: weights only, iteration 0, said in the plan; Megatron-LM's
+    --finetune load (model only) at that layout gives transformers' logits, the padded vocabulary rows zero."""
+    import transformers
+
+    from checkpoint.plan import summarize
+    from tests.megatron_lm_fixtures import LLAMA, MegatronLMRun, finetune_logits
+
+    config = transformers.LlamaConfig(vocab_size=LLAMA.vocab_size, hidden_size=LLAMA.hidden_size,
+                                      intermediate_size=LLAMA.ffn_hidden_size, num_hidden_layers=LLAMA.num_layers,
+                                      num_attention_heads=LLAMA.num_attention_heads,
+                                      num_key_value_heads=LLAMA.num_query_groups, rms_norm_eps=LLAMA.norm_eps,
+                                      max_position_embeddings=LLAMA.seq_length,
+                                      rope_parameters={"rope_type": "default", "rope_theta": LLAMA.rotary_base})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    src, dst = tmp_path / "hf", tmp_path / "megatron"
+    model.save_pretrained(src, max_shard_size="100KB")
+    outcome = convert(src, dst, to="megatron", tp=2, dp=2)
+    assert "pretrained start" in summarize(outcome.plan) and "--finetune" in summarize(outcome.plan)
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "0"
+    run = MegatronLMRun(tp=2, dp=2, model=dataclasses.replace(LLAMA, make_vocab_size_divisible_by=128))
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    got = finetune_logits(run, dst, tokens)
+    assert got.shape[-1] == 256  # 128 rows padded to a multiple of 128 * tp, as Megatron-LM pads by default
+    torch.testing.assert_close(got[..., :LLAMA.vocab_size], _logits(model, tokens), rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[..., LLAMA.vocab_size:], torch.zeros_like(got[..., LLAMA.vocab_size:]))

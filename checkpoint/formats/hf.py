@@ -173,7 +173,10 @@ def read_hf(path: str | Path) -> CheckpointIndex:
         meta["hf_config"] = config
         try:  # the rules' architecture (Megatron targets); a model they cannot map is named when one is asked for
             spec = arch_from_config(config, where=str(root / CONFIG))
-            meta["arch"] = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+            # a Megatron target pads the vocabulary as Megatron-LM does by default (--make-vocab-size-divisible-by
+            # 128 times tp); a job YAML given as --model-config says otherwise
+            meta["arch"] = {f: getattr(spec, f) for f in spec.__dataclass_fields__} | {
+                "make_vocab_size_divisible_by": 128}
         except CheckpointFormatError:
             pass
     if generation is not None:

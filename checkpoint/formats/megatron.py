@@ -775,8 +775,10 @@ def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any
     ts = source.meta.get("train_state") or {}
     step = ts.get("step")
     if step is None:
+        start = (" (it holds weights only: --to megatron writes it as a pretrained start for Megatron-LM's "
+                 "--finetune)") if is_weights_only(source) else ""
         raise PlanError(f"source {source.root} ({source.format}) carries no train-state step: a Megatron "
-                        f"checkpoint needs the iteration and Adam's step")
+                        f"checkpoint with optimizer state needs the iteration and Adam's step{start}")
     if arch.num_experts:
         raise PlanError(f"source {source.root} ({source.format}): converting a {arch.architecture} (MoE) model into "
                         f"Megatron is only supported from Megatron checkpoints")
@@ -817,6 +819,26 @@ def legacy_meta_for_dist(source: CheckpointIndex, arch: ArchSpec) -> dict[str, A
     return {"common": common, "objects": [], "new_objects": extra_state_objects(arch)}
 
 
+def is_weights_only(source: CheckpointIndex) -> bool:
+    """Whether `source` holds weights and nothing of a training run (no fp32 master, no Adam state, no step):
+    an HF checkpoint, a weights-only export."""
+    kinds = {e.key.kind for e in source.entries}
+    step = (source.meta.get("train_state") or {}).get("step")
+    return kinds <= {Kind.PARAM} and step is None and source.format != FORMAT
+
+
+def pretrained_meta(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+    """A weights-only source as a Megatron pretrained start (Megatron-LM's --finetune): iteration 0, no
+    optimizer state or param groups, no RNG; the model spec and the layers' empty `_extra_state` objects."""
+    params = [e for e in source.entries if e.key.kind is Kind.PARAM]
+    spec = {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}
+    return {"common": {"iteration": 0, "checkpoint_version": 3.0, "migrate": {"step": 0, "model": spec}},
+            "optimizer_groups": [], "model_dtype": params[0].dtype if params else "float32", "objects": [],
+            "new_objects": extra_state_objects(arch), "weights_only": True,
+            "start_note": "a pretrained start (weights only, iteration 0, no optimizer or RNG state): load it with "
+                          "Megatron-LM's --finetune (or --no-load-optim --no-load-rng)"}
+
+
 def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                     vpp: int = 1, model_config: Mapping[str, Any] | None = None) -> TargetSpec:
     """The source's state as a fully-reshardable torch_dist checkpoint, written by the ranks of the target
@@ -833,7 +855,10 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     refuse_shared_params(source, "megatron")
     refuse_frozen_params(source, "megatron")
     arch = source_arch(source, model_config)
-    if source.format == FORMAT:
+    pretrained = is_weights_only(source)
+    if pretrained:
+        m = {**source.meta, **pretrained_meta(source, arch)}
+    elif source.format == FORMAT:
         m = source.meta
     elif source.format == LEGACY_FORMAT:
         m = {**source.meta, **legacy_meta_for_dist(source, arch)}
@@ -845,9 +870,11 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     it = iteration_dir_name(state["common"].get("iteration") or 0)
     src = source.by_key()
     fp32_params = all(e.dtype == "float32" for e in source.entries if e.key.kind is Kind.PARAM)
-    kinds = [Kind.PARAM] + [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
-                            if any(key.kind is k for key in src) or k is Kind.MASTER and fp32_params]
-    if Kind.MASTER not in kinds:
+    kinds = [Kind.PARAM]
+    if not pretrained:
+        kinds += [k for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+                  if any(key.kind is k for key in src) or k is Kind.MASTER and fp32_params]
+    if Kind.MASTER not in kinds and not pretrained:
         raise PlanError(f"source {source.root} holds no fp32 master/optimizer state; a Megatron DistributedOptimizer "
                         f"checkpoint needs it")
     if m.get("optimizer_groups") is None or "common" not in m:
@@ -901,7 +928,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     if m.get("opt_param_scheduler") is not None:  # a legacy source keeps it beside its common state
         state["common"].setdefault("opt_param_scheduler", m["opt_param_scheduler"])
     state["common"] = target_common(state["common"], arch, layout, chained=chained)
-    meta = {**m, "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
+    groups = [] if pretrained else target_optimizer_groups(m["optimizer_groups"], chained=chained)
+    meta = {**m, "optimizer_groups": groups,
             "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
             "iteration_dir": it, **state}
@@ -1085,7 +1113,8 @@ class MegatronWriter:
         common = dict(meta["common"])
         common["migrate"] = {**dict(common.get("migrate") or {}), "layout": meta["target_layout"]}
         per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in meta["optimizer_groups"]]
-        common["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
+        if per:  # a pretrained start (weights only) has no optimizer entry
+            common["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
         buf = io.BytesIO()
         torch.save(common, buf)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
