@@ -511,10 +511,11 @@ def finetune_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tens
     """Load `load_dir` at `run`'s layout (pp 1) as Megatron-LM's `load_checkpoint` does with --finetune (the model
     only: no optimizer, scheduler or RNG state; iteration 0) and return the logits of `tokens`, gathered over TP."""
     with _group(run.world_size) as group:
-        return group.run(_rank_finetune_logits, run, str(load_dir), tokens)[0]
+        return group.run(_rank_model_logits, run, str(load_dir), tokens)[0]
 
 
-def _rank_finetune_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def _rank_model_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """The model alone loaded from a save dir (its tracker) or an iteration dir, eval-mode logits over TP."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -526,15 +527,15 @@ def _rank_finetune_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: t
     with cpu_device_adapter():
         chunks, _, _, _ = _setup(ctx, run)
         try:
-            path, _ = _checkpoint_dir(load_dir)
+            tracked = os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt"))
+            path = _checkpoint_dir(load_dir)[0] if tracked else load_dir
             model = unwrap_model(chunks)[0]
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=_metadata(None))}, path)
             model.load_state_dict(loaded["model"], strict=True)
             model.eval()
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
             with torch.no_grad():
-                logits = model(tokens, positions, None)
-                return gather_from_tensor_model_parallel_region(logits).float()
+                return gather_from_tensor_model_parallel_region(model(tokens, positions, None)).float()
         finally:
             ps.destroy_model_parallel()
 
@@ -553,31 +554,7 @@ def megatron_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tens
     rank, in eval mode."""
     one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None)
     with _group(1) as group:
-        return group.run(_rank_logits, one, str(load_dir), tokens)[0]
-
-
-def _rank_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.utils import unwrap_model
-
-    from migrate.device.cpu_adapter import cpu_device_adapter
-
-    torch.set_num_threads(1)
-    with cpu_device_adapter():
-        chunks, _, _, _ = _setup(ctx, run)
-        try:
-            tracked = os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt"))
-            path = _checkpoint_dir(load_dir)[0] if tracked else load_dir
-            model = unwrap_model(chunks)[0]
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=_metadata(None))}, path)
-            model.load_state_dict(loaded["model"], strict=True)
-            model.eval()
-            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
-            with torch.no_grad():
-                return model(tokens, positions, None).float()
-        finally:
-            ps.destroy_model_parallel()
+        return group.run(_rank_model_logits, one, str(load_dir), tokens)[0]
 
 
 def plain_state(path: str | Path) -> dict[str, torch.Tensor]:
