@@ -82,7 +82,8 @@ def check_index_paths(index: CheckpointIndex, *, follow_symlinks: bool = False) 
 def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, zero_stage: int | None = None,
                     tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
                     arch: str | None = None, model_config: Mapping[str, Any] | None = None,
-                    max_shard_size: int | str | None = None) -> tuple[ConversionPlan, Writer]:
+                    max_shard_size: int | str | None = None, dcp_layout: str | None = None
+                    ) -> tuple[ConversionPlan, Writer]:
     """Plan `index` into format `to` at the target layout (None: the source's, or the format's only choice).
 
     `model_config`: the architecture (ModelSpec-style fields) for targets that need one the source lacks."""
@@ -90,7 +91,7 @@ def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, z
     if spec.target is None or spec.writer is None:
         raise PlanError(f"format {to!r} is read-only; writable formats: {', '.join(WRITABLE_FORMATS)}")
     opts = TargetOptions(dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
-                         model_config=model_config, max_shard_size=max_shard_size)
+                         model_config=model_config, max_shard_size=max_shard_size, dcp_layout=dcp_layout)
     target = spec.target(index, opts)
     writer = spec.writer
     if target.index.meta.get("writer_in_memory") and getattr(writer, "in_place", False):
@@ -108,7 +109,7 @@ class ConversionOutcome:
 def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None, zero_stage: int | None = None,
             tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
             arch: str | None = None, model_config: Mapping[str, Any] | None = None,
-            max_shard_size: int | str | None = None, dry_run: bool = False,
+            max_shard_size: int | str | None = None, dcp_layout: str | None = None, dry_run: bool = False,
             map_fn: MapFn | None = None,
             trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
             expect_dp: int | None = None, expect_stage: int | None = None, expect_tp: int | None = None,
@@ -123,7 +124,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
                        model_config=model_config)
     check_disjoint(index.root, dst)
     plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
-                                   arch=arch, model_config=model_config, max_shard_size=max_shard_size)
+                                   arch=arch, model_config=model_config, max_shard_size=max_shard_size,
+                                   dcp_layout=dcp_layout)
     check_destination(Path(dst), existing)
     if dry_run:
         return ConversionOutcome(plan=plan, result=None)

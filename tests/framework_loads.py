@@ -67,15 +67,17 @@ def _rank_deepspeed(ctx: Any, model: ModelSpec, load_dir: str, zero_stage: int, 
     return out, steps
 
 
-def dcp_loaded(model: ModelSpec, load_dir: str | Path, *, dp: int, precision: str
+def dcp_loaded(model: ModelSpec, load_dir: str | Path, *, dp: int, precision: str, layout: str = "nested"
                ) -> tuple[dict[tuple[str, str], torch.Tensor], list[float]]:
     """What DCP's load into FSDP2 + AdamW restores at `dp` ranks: ({(name, kind): full tensor}, Adam steps);
-    the sharded parameters are the fp32 masters (bf16 is FSDP2's compute dtype)."""
+    the sharded parameters are the fp32 masters (bf16 is FSDP2's compute dtype). `layout` "torchtitan" loads
+    the way torchtitan's CheckpointManager does: ModelWrapper's model keys at the top level, OptimizersContainer's
+    flattened optimizer state, and TrainState's int32 step (returned under ("train_state", "step"))."""
     with _group(dp, "fsdp") as group:
-        return group.run(_rank_dcp, model, str(load_dir), precision)[0]
+        return group.run(_rank_dcp, model, str(load_dir), precision, layout)[0]
 
 
-def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str) -> Any:
+def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str, layout: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
@@ -94,10 +96,19 @@ def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str) -> Any:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=False)
-    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(state, checkpoint_id=os.fspath(load_dir))
-    set_model_state_dict(module, state["model"])
-    set_optimizer_state_dict(module, optimizer, state["optimizer"])
+    if layout == "torchtitan":
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        state = {**get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer, options=flat),
+                 "train_state": {"step": torch.tensor(0, dtype=torch.int32)}}
+        dcp.load(state, checkpoint_id=os.fspath(load_dir))
+        model_sd = {k: v for k, v in state.items() if k not in ("optimizer", "train_state")}
+        set_model_state_dict(module, model_sd, options=StateDictOptions(strict=False))  # ModelWrapper
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=flat)  # OptimizersContainer
+    else:
+        state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
+        dcp.load(state, checkpoint_id=os.fspath(load_dir))
+        set_model_state_dict(module, state["model"])
+        set_optimizer_state_dict(module, optimizer, state["optimizer"])
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(module, options=full)
     optim = get_optimizer_state_dict(module, optimizer, options=full)
@@ -109,4 +120,6 @@ def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str) -> Any:
         out[(name, "exp_avg")] = moments["exp_avg"].clone()
         out[(name, "exp_avg_sq")] = moments["exp_avg_sq"].clone()
         steps.add(float(moments["step"]))
+    if layout == "torchtitan":
+        out[("train_state", "step")] = state["train_state"]["step"].clone()
     return out, sorted(steps)

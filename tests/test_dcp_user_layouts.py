@@ -144,3 +144,24 @@ def test_tutorial_layout_loads_into_deepspeed(user_dcp, tmp_path):
     want = {k: truth[(k[0], "fp32_master")] if k[1] == "param" else truth[k] for k in loaded}
     unequal = [k for k, t in loaded.items() if not torch.equal(want[k], t)]
     assert not unequal, f"DeepSpeed's load differs from the run: {unequal}"
+
+
+@pytest.mark.parametrize("layout", ["torchtitan", "tutorial"])
+def test_dcp_layout_torchtitan_is_what_torchtitans_reload_takes(user_dcp, tmp_path, layout):
+    """--dcp-layout torchtitan: torchtitan's CheckpointManager load (ModelWrapper and OptimizersContainer state-dict
+    calls, TrainState's step) at 3 ranks restores every weight, moment and step; from a torchtitan source (its train
+    step carried) and from the tutorial's layout (which records no train step: TrainState gets 0)."""
+    from tests.framework_loads import dcp_loaded
+
+    src, truth = user_dcp(layout)
+    dst = tmp_path / "checkpoint" / f"step-{STEPS}"
+    convert(src, dst, to="dcp", dp=3, dcp_layout="torchtitan")
+    index = read_index(dst)
+    assert index.meta["dcp_layout"] == "model at (top level); optimizer at optimizer (flattened)"
+    assert index.meta["train_state"]["optimizer_param_groups"][0]["weight_decay"] == 0.1
+    loaded, steps = dcp_loaded(ODD, dst, dp=3, precision="fp32", layout="torchtitan")
+    assert steps == [float(STEPS)]
+    step = loaded.pop(("train_state", "step"))
+    assert step.dtype == torch.int32 and int(step) == (STEPS if layout == "torchtitan" else 0)
+    unequal = [k for k, t in loaded.items() if not torch.equal(truth[k], t)]
+    assert not unequal, f"torchtitan's reload differs from the {layout} run: {unequal}"

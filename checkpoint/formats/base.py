@@ -53,6 +53,7 @@ class TargetOptions:
     arch: str | None = None
     model_config: Mapping[str, Any] | None = None
     max_shard_size: int | str | None = None  # HF: the largest safetensors shard ("5GB", bytes)
+    dcp_layout: str | None = None  # DCP: "nested" (FSDP2's model/optimizer) or "torchtitan"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -49,12 +49,19 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def fqn_path(key: TensorKey) -> tuple[str, ...]:
-    """The state-dict path of a canonical tensor: ('model', name) or ('optimizer', 'state', name, kind)."""
+LAYOUTS = ("nested", "torchtitan")
+
+
+def fqn_path(key: TensorKey, layout: str = "nested") -> tuple[str, ...]:
+    """The state-dict path of a canonical tensor. nested (FSDP2's get_*_state_dict under model/optimizer):
+    ('model', name), ('optimizer', 'state', name, kind); torchtitan (CheckpointManager: the model flattened to the
+    top level, the optimizer saved with flatten_optimizer_state_dict): (name,), ('optimizer', 'state.name.kind')."""
     if key.kind is Kind.PARAM:
-        return ("model", key.name)
+        return (key.name,) if layout == "torchtitan" else ("model", key.name)
     if key.kind in _KIND_NAMES:
-        return ("optimizer", "state", key.name, _KIND_NAMES[key.kind])
+        kind = _KIND_NAMES[key.kind]
+        return ("optimizer", f"state.{key.name}.{kind}") if layout == "torchtitan" else (
+            "optimizer", "state", key.name, kind)
     raise PlanError(f"DCP has no place for tensor {key} (kinds written: param, exp_avg, exp_avg_sq, step)")
 
 
@@ -282,8 +289,11 @@ def dim0_pieces(shape: tuple[int, ...], world: int) -> list[tuple[int, tuple[int
     return out or [(0, (0,) * len(shape), shape)]
 
 
-def _values_from(index: CheckpointIndex, names: Sequence[str]) -> dict[str, Any]:
-    """The non-tensor values to write: the source's own DCP values, else built from its train state."""
+def _values_from(index: CheckpointIndex, names: Sequence[str], layout: str = "nested") -> dict[str, Any]:
+    """The non-tensor values to write: the source's own DCP values, else built from its train state; the
+    optimizer's param groups nested (`param_groups` list) or, for torchtitan, one entry per parameter and field
+    (`param_groups.<fqn>.<field>`, as flatten_optimizer_state_dict writes them), and torchtitan's `train_state`
+    (its step as an int32 tensor, empty loss histories) when the source has none."""
     m = index.meta
     if "dcp_values" in m:
         values = dict(m["dcp_values"])
@@ -301,8 +311,24 @@ def _values_from(index: CheckpointIndex, names: Sequence[str]) -> dict[str, Any]
         g.pop("params", None)
         g.update(_torch_hparams(g))
         g["params"] = list(own)
-    values["optimizer"] = {"param_groups": groups}
+    if layout != "torchtitan":
+        values["optimizer"] = {"param_groups": groups}
+        return values
+    values["optimizer"] = {f"param_groups.{name}.{field}": value for g in groups for name in g["params"]
+                           for field, value in g.items() if field != "params"}
+    if not isinstance(values.get("train_state"), Mapping):
+        step = ts.get("step") if ts.get("step") is not None else m.get("global_steps")
+        values["train_state"] = {"step": torch.tensor(int(step or 0), dtype=torch.int32),
+                                 **{k: _bytes_io([]) for k in ("global_avg_losses", "global_max_losses", "log_steps")}}
     return values
+
+
+def _bytes_io(value: Any) -> io.BytesIO:
+    """`value` torch.save'd into a BytesIO, as torchtitan's TrainState keeps its histories."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
 
 
 def _torch_hparams(g: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,13 +351,15 @@ def _flatten(obj: Any, prefix: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], A
     return [(prefix, obj)]
 
 
-def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
+def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -> TargetSpec:
     """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
     `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). A source that keeps Adam's
     step per param group (Megatron) gets torch Adam's per-parameter step (`adam_step.derived_step`), written
     by rank 0's file."""
     if world < 1:
         raise PlanError(f"DCP target needs world size >= 1, got {world}")
+    if layout not in LAYOUTS:
+        raise PlanError(f"--dcp-layout {layout!r}: known layouts are {', '.join(LAYOUTS)}")
     refuse_tied_embeddings(source, "dcp")
     refuse_frozen_params(source, "dcp")
     src = source.by_key()
@@ -348,22 +376,27 @@ def dcp_target(source: CheckpointIndex, *, world: int) -> TargetSpec:
                 kinds.append((kind, e.shape, e.dtype))
         for kind, shp, dt in kinds:
             key = TensorKey(name=name, kind=kind)
-            fqn = _fqn(fqn_path(key))
+            fqn = _fqn(fqn_path(key, layout))
             chunks = []
             for r, offs, lens in dim0_pieces(shp, world):
                 bkey = ("chunk", fqn, offs)
                 buffers[data_file(r)].append(TargetBuffer(key=bkey, shape=lens, dtype=dt))
                 chunks.append(ChunkRef(file=data_file(r), key=bkey, offsets=offs, lengths=lens))
             entries.append(TensorEntry(key=key, shape=shp, dtype=dt, chunks=tuple(chunks)))
-    values = _values_from(source, names)
+    values = _values_from(source, names, layout)
     step = derived_step(source)  # a source with Adam's step per param group (Megatron): one per param here
-    derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP))), step] for n in names
-                                       if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
+    derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP), layout)), step]
+                                       for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
+    flat = _flatten(values, ())
+    # tensors among the values (torchtitan's train_state.step) stay tensors: whole, in rank 0's file
+    value_tensors = [[list(p), v] for p, v in flat if isinstance(v, torch.Tensor)]
     meta = {"dp": world, "dtype": "float32", "global_steps": source.meta.get("global_steps"),
-            "values": [[list(p), v] for p, v in _flatten(values, ())],
-            "tensors": [[list(fqn_path(e.key)), list(e.shape), e.dtype] for e in entries]
-            + [[path, [], STEP_DTYPE] for path, _ in derived],
-            "derived_steps": derived}
+            "values": [[list(p), v] for p, v in flat if not isinstance(v, torch.Tensor)],
+            "tensors": [[list(fqn_path(e.key, layout)), list(e.shape), e.dtype] for e in entries]
+            + [[path, [], STEP_DTYPE] for path, _ in derived]
+            + [[path, list(t.shape), dtype_name(t.dtype)] for path, t in value_tensors],
+            "derived_steps": derived + value_tensors, "whole_tensors": [_fqn(p) for p, _ in derived + value_tensors],
+            "dcp_layout": layout}
     files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
@@ -393,8 +426,9 @@ class DCPWriter:
                 placed.append((b.key[1], list(b.key[2]), start, stream.tell() - start))
             for path, step in meta.get("derived_steps", []) if file.rank == 0 else []:
                 start = stream.tell()
-                torch.save(step_tensor(step), stream)
-                placed.append((_fqn(path), [], start, stream.tell() - start))
+                tensor = step if isinstance(step, torch.Tensor) else step_tensor(step)
+                torch.save(tensor, stream)
+                placed.append((_fqn(path), [0] * tensor.dim(), start, stream.tell() - start))
             for path, value in values:
                 start = stream.tell()
                 buf = io.BytesIO()
@@ -423,14 +457,15 @@ class DCPWriter:
             sd_meta[_fqn(path)] = BytesStorageMetadata()
         storage = {}
         shapes = {_fqn(p): tuple(s) for p, s, _ in meta["tensors"]}
+        whole = set(meta.get("whole_tensors", ()))
         for rec in records:
             for fqn, offsets, start, length in rec.extra or ():
                 if offsets is None:
                     idx = MetadataIndex(fqn=fqn)
                 else:
                     tsm = sd_meta[fqn]
-                    lengths = next(lens for _, offs, lens in dim0_pieces(shapes[fqn], meta["dp"])
-                                   if list(offs) == offsets)
+                    lengths = shapes[fqn] if fqn in whole else next(
+                        lens for _, offs, lens in dim0_pieces(shapes[fqn], meta["dp"]) if list(offs) == offsets)
                     idx = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tsm.chunks))
                     tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(lengths)))
                 storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
@@ -448,7 +483,8 @@ def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
     if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
         raise PlanError(f"DCP target is written for FSDP at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
-    return dcp_target(index, world=opts.dp if opts.dp is not None else int(index.meta.get("dp", 1)))
+    return dcp_target(index, world=opts.dp if opts.dp is not None else int(index.meta.get("dp", 1)),
+                      layout=opts.dcp_layout or "nested")
 
 
 SPEC = CheckpointFormat(name=FORMAT, description="PyTorch DCP (FSDP2/torchtitan: model + Adam state)",
