@@ -35,7 +35,7 @@ from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEnt
 from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config
-from checkpoint.state.training_state import CLIENT_STATE_KEY
+from checkpoint.state.training_state import CLIENT_STATE_KEY, our_client_state
 
 FORMAT = "hf"
 WEIGHTS = "model.safetensors"
@@ -145,9 +145,10 @@ def read_hf(path: str | Path) -> CheckpointIndex:
     root = Path(path)
     config = _json_file(root / CONFIG)
     generation = _json_file(root / GENERATION_CONFIG)
+    files = _files(root)
     found: list[tuple[str, str, tuple[int, ...], str]] = []
     header: dict[str, str] = {}
-    for f in _files(root):
+    for f in files:
         try:
             with safe_open(str(root / f), framework="pt", device="cpu") as st:
                 header.update(st.metadata() or {})
@@ -181,7 +182,7 @@ def read_hf(path: str | Path) -> CheckpointIndex:
             pass
     if generation is not None:
         meta["generation_config"] = generation
-    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(_files(root)) + tuple(
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(files) + tuple(
         f for f in (CONFIG, GENERATION_CONFIG) if (root / f).is_file()), meta=meta)
 
 
@@ -196,18 +197,12 @@ def _st_dtype(code: str, file: Path, name: str) -> str:
         raise CheckpointFormatError(f"{file}: tensor {name} has unsupported dtype {code}") from None
 
 
-def _client(source: CheckpointIndex) -> Mapping[str, Any]:
-    """Our entry in the source's client state (empty when there is none)."""
-    client = ((source.meta.get("train_state") or {}).get("client") or {}).get(CLIENT_STATE_KEY) or {}
-    return client if isinstance(client, Mapping) else {}
-
-
 def _client_model(source: CheckpointIndex) -> Mapping[str, Any] | None:
     """The model spec the built-in engines save (ModelSpec fields): as a Megatron reader found it (meta
     `model_spec`), else in the client state (DeepSpeed, DCP); None when there is none."""
     if isinstance(source.meta.get("model_spec"), Mapping):
         return source.meta["model_spec"]
-    model = _client(source).get("model")
+    model = our_client_state(source.meta).get("model")
     return model if isinstance(model, Mapping) else None
 
 
@@ -222,7 +217,7 @@ def target_config(source: CheckpointIndex, model_config: Mapping[str, Any] | Non
         fields = fields_from_model_spec(model_config, origin="--model-config")
     elif source.meta.get("hf_config"):
         return dict(source.meta["hf_config"]), f"{source.root}/{CONFIG}"
-    elif (carried := _client(source).get("hf_config")) is not None:  # an HF start converted on
+    elif (carried := our_client_state(source.meta).get("hf_config")) is not None:  # an HF start converted on
         return dict(carried), f"{source.root}: the config.json of the HF checkpoint it was converted from"
     elif source.meta.get("megatron_args"):
         fields = fields_from_megatron_args(source.meta["megatron_args"], origin=f"{source.root}: Megatron-LM args")

@@ -48,7 +48,7 @@ from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
                                   role_from_dict, roles, to_megatron)
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
-                                             report_dict)
+                                             our_client_state, report_dict)
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
                                        canonical_tensors, expert_range, flat_run_boxes, hf_order, holds_model_tensor,
                                        holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
@@ -743,8 +743,7 @@ def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None 
     the built-in engines save in their client state (`migrate.model`), else `model_config` (an HF config or
     ModelSpec-style fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
     Raises PlanError naming the option to pass when none says it."""
-    client = ((source.meta.get("train_state") or {}).get("client") or {}).get(CLIENT_STATE_KEY) or {}
-    saved = source.meta.get("arch") or (client.get("model") if isinstance(client, Mapping) else None)
+    saved = source.meta.get("arch") or our_client_state(source.meta).get("model")
     given = None if model_config is None else arch_from_config(model_config, where="--model-config")
     if saved is None:
         if given is None:

@@ -20,6 +20,13 @@ from checkpoint.state.data_position import DataPosition, convert_position, from_
 from checkpoint.state.rng import RankRole, plan_rng, role_from_dict, roles
 
 CLIENT_STATE_KEY = "migrate"
+
+
+def our_client_state(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The built-in engines' entry (`migrate`) in a checkpoint index's canonical client state; empty when none."""
+    client = ((meta.get("train_state") or {}).get("client") or {}).get(CLIENT_STATE_KEY) or {}
+    return client if isinstance(client, Mapping) else {}
+
 STATE_REPORT_FILE = "state_report.json"
 COUNTERS: dict[str, str] = {
     "lr_scheduler": "LR scheduler state (the optimizer step count) does not depend on the layout",
