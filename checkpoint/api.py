@@ -19,8 +19,10 @@ from checkpoint.execute import ExecutionResult, MapFn, Writer, check_destination
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex
+from checkpoint.naming import named_for_target
 from checkpoint.paths import check_disjoint, check_links, inside
 from checkpoint.plan import ConversionPlan, make_plan
+from checkpoint.rules.names import NAMINGS
 
 FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE)
 WRITABLE_FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE if f.writable)
@@ -82,16 +84,22 @@ def check_index_paths(index: CheckpointIndex, *, follow_symlinks: bool = False) 
 def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, zero_stage: int | None = None,
                     tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
                     arch: str | None = None, model_config: Mapping[str, Any] | None = None,
-                    max_shard_size: int | str | None = None, dcp_layout: str | None = None
-                    ) -> tuple[ConversionPlan, Writer]:
+                    max_shard_size: int | str | None = None, dcp_layout: str | None = None,
+                    param_names: str | None = None) -> tuple[ConversionPlan, Writer]:
     """Plan `index` into format `to` at the target layout (None: the source's, or the format's only choice).
 
-    `model_config`: the architecture (ModelSpec-style fields) for targets that need one the source lacks."""
+    `model_config`: the architecture (ModelSpec-style fields) for targets that need one the source lacks.
+    `param_names`: the naming convention a DeepSpeed/DCP target is written in (canonical, hf, torchtitan; default:
+    the source's); HF and Megatron targets map canonical names, so a source in another convention is renamed."""
     spec = get_format(to)
     if spec.target is None or spec.writer is None:
         raise PlanError(f"format {to!r} is read-only; writable formats: {', '.join(WRITABLE_FORMATS)}")
     opts = TargetOptions(dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
-                         model_config=model_config, max_shard_size=max_shard_size, dcp_layout=dcp_layout)
+                         model_config=model_config, max_shard_size=max_shard_size, dcp_layout=dcp_layout,
+                         param_names=param_names)
+    if param_names is not None and param_names not in NAMINGS:
+        raise PlanError(f"--param-names {param_names!r}: known conventions are {', '.join(NAMINGS)}")
+    index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
     target = spec.target(index, opts)
     writer = spec.writer
     if target.index.meta.get("writer_in_memory") and getattr(writer, "in_place", False):
@@ -109,7 +117,8 @@ class ConversionOutcome:
 def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None, zero_stage: int | None = None,
             tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
             arch: str | None = None, model_config: Mapping[str, Any] | None = None,
-            max_shard_size: int | str | None = None, dcp_layout: str | None = None, dry_run: bool = False,
+            max_shard_size: int | str | None = None, dcp_layout: str | None = None, param_names: str | None = None,
+            dry_run: bool = False,
             map_fn: MapFn | None = None,
             trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
             expect_dp: int | None = None, expect_stage: int | None = None, expect_tp: int | None = None,
@@ -125,7 +134,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
     check_disjoint(index.root, dst)
     plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
                                    arch=arch, model_config=model_config, max_shard_size=max_shard_size,
-                                   dcp_layout=dcp_layout)
+                                   dcp_layout=dcp_layout, param_names=param_names)
     check_destination(Path(dst), existing)
     if dry_run:
         return ConversionOutcome(plan=plan, result=None)

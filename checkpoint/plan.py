@@ -232,6 +232,10 @@ def summarize(plan: ConversionPlan) -> str:
                      "or step; training resumes with a fresh optimizer")
     if note := plan.target.index.meta.get("start_note"):
         lines.append(f"  target: {note}")
+    if named := plan.source.meta.get("source_param_naming"):
+        lines.append(f"  parameter names: {named} -> {plan.source.meta['param_naming']} (name table)")
+    for d in plan.target.index.meta.get("trainer_rng") or ():
+        lines.append(f"  Trainer RNG file of process {d['target_rank']}: {d['policy']} ({d['reason']})")
     derived = sorted({it.tensor.name for it in plan.items if it.cast})
     if derived:
         lines.append(f"  {len(derived)} params derived from the fp32 master (cast)")

@@ -67,12 +67,13 @@ def _rank_deepspeed(ctx: Any, model: ModelSpec, load_dir: str, zero_stage: int, 
     return out, steps
 
 
-def dcp_loaded(model: ModelSpec, load_dir: str | Path, *, dp: int, precision: str, layout: str = "nested"
+def dcp_loaded(model: ModelSpec | dict[str, Any], load_dir: str | Path, *, dp: int, precision: str, layout: str = "nested"
                ) -> tuple[dict[tuple[str, str], torch.Tensor], list[float]]:
     """What DCP's load into FSDP2 + AdamW restores at `dp` ranks: ({(name, kind): full tensor}, Adam steps);
     the sharded parameters are the fp32 masters (bf16 is FSDP2's compute dtype). `layout` "torchtitan" loads
     the way torchtitan's CheckpointManager does: ModelWrapper's model keys at the top level, OptimizersContainer's
-    flattened optimizer state, and TrainState's int32 step (returned under ("train_state", "step"))."""
+    flattened optimizer state, and TrainState's int32 step (returned under ("train_state", "step")). `model` is the
+    built-in decoder's spec or {"hf_config": {...}}: a transformers model built from that config."""
     with _group(dp, "fsdp") as group:
         return group.run(_rank_dcp, model, str(load_dir), precision, layout)[0]
 
@@ -89,10 +90,18 @@ def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str, layout:
 
     torch.set_num_threads(1)
     mesh = build_mesh("cpu", MeshShape.of(ctx.world_size, 1))
-    module = build_decoder(model, 1)
+    if isinstance(model, dict):  # a transformers model from its config: its own module names
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = dict(model["hf_config"])
+        module = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type", "llama"), **config))
+        layers = module.model.layers
+    else:
+        module = build_decoder(model, 1)
+        layers = module.layers
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
-    for layer in module.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=False)

@@ -54,6 +54,7 @@ class TargetOptions:
     model_config: Mapping[str, Any] | None = None
     max_shard_size: int | str | None = None  # HF: the largest safetensors shard ("5GB", bytes)
     dcp_layout: str | None = None  # DCP: "nested" (FSDP2's model/optimizer) or "torchtitan"
+    param_names: str | None = None  # DeepSpeed/DCP: the naming convention written (canonical, hf, torchtitan)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +67,9 @@ class CheckpointFormat:
     read: Callable[[Path, ReadOptions], CheckpointIndex]
     target: Callable[[CheckpointIndex, TargetOptions], TargetSpec] | None = None
     writer: Writer | None = None
+    # "canonical": the target builder maps canonical names itself (HF, Megatron), so a source in another naming
+    # convention is renamed first; "source": the module names pass through (unless --param-names asks otherwise)
+    names: str = "source"
 
     @property
     def writable(self) -> bool:

@@ -38,6 +38,7 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
                                      refuse_tied_embeddings, scalar)
+from checkpoint.formats.hf_trainer import is_trainer_folder, read_trainer_files, trainer_files
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -310,6 +311,11 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     }
     model_files = [f"{tag}/{n}" for n in z3_models] if stage3 else [model_rel]
     files = (*model_files, *(f"{tag}/{optim_names[r]}" for r in range(dp)))
+    if is_trainer_folder(root):  # an HF-Trainer checkpoint-N/ folder: its own files beside the engine's
+        trainer = read_trainer_files(root, trust_checkpoint=trust_checkpoint)
+        meta["hf_trainer"] = trainer
+        meta.update({k: trainer[k] for k in ("hf_config", "generation_config") if trainer[k] is not None})
+        files += tuple(trainer["files"])
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=_plain(meta))
 
 
@@ -616,6 +622,13 @@ class DeepSpeedWriter:
             return _optim_states(file, buffers, meta)
         raise PlanError(f"DeepSpeed writer: unknown file role {file.role!r} for {file.path}")
 
+    def finalize(self, records: Any, meta: Mapping[str, Any]) -> dict[str, bytes]:
+        """An HF-Trainer source's own files (trainer_state.json, config.json, per-process RNG, ...) for dp
+        processes, beside the engine's."""
+        if not meta.get("hf_trainer"):
+            return {}
+        return trainer_files(meta["hf_trainer"], world_size=meta["dp"])[0]
+
 
 def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> TargetSpec:
     """The files and chunks of `source`'s training state as a DeepSpeed ZeRO-`zero_stage` checkpoint at dp.
@@ -705,6 +718,8 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
             "optimizer_flavor": flavor,
             "has_step": has_step, "derived_step": step, "writer_in_memory": step is not None}
+    if m.get("hf_trainer"):
+        meta["trainer_rng"] = trainer_files(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
     files = [TargetFile(path="latest", role="latest", rank=None)]
     if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors weights: reader and writer, with a parameter-name map per architecture.
+"""Hugging Face safetensors weights: reader and writer; names through the tables of `checkpoint.rules.names`.
 
 Weights only: a HF checkpoint holds no optimizer state, so converting it into a training format
 gives a weights-only target (the plan summary says so). Canonical names are the built-in decoder's
@@ -35,6 +35,7 @@ from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEnt
 from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config
+from checkpoint.rules.names import TABLES, rename
 from checkpoint.state.training_state import CLIENT_STATE_KEY, our_client_state
 
 FORMAT = "hf"
@@ -44,47 +45,6 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
 ARCH_KEY = "migrate_architecture"
-
-_LLAMA = [
-    ("embed_tokens.{P}", "model.embed_tokens.{P}"),
-    ("layers.{L}.{R}", "model.layers.{L}.{R}"),
-    ("norm.{P}", "model.norm.{P}"),
-    ("lm_head.{P}", "lm_head.{P}"),
-]
-_MIXTRAL = [
-    ("layers.{L}.mlp.gate.{P}", "model.layers.{L}.block_sparse_moe.gate.{P}"),
-    ("layers.{L}.mlp.experts.{E}.gate_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w1.{P}"),
-    ("layers.{L}.mlp.experts.{E}.down_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.{P}"),
-    ("layers.{L}.mlp.experts.{E}.up_proj.{P}", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.{P}"),
-    *_LLAMA,
-]
-_GPT = [  # Starcoder2ForCausalLM
-    ("layers.{L}.mlp.up_proj.{P}", "model.layers.{L}.mlp.c_fc.{P}"),
-    ("layers.{L}.mlp.down_proj.{P}", "model.layers.{L}.mlp.c_proj.{P}"),
-    *_LLAMA,
-]
-NAME_MAPS: dict[str, list[tuple[str, str]]] = {"llama": _LLAMA, "mixtral": _MIXTRAL, "gpt": _GPT}
-_FIELD = {"L": r"\d+", "E": r"\d+", "P": r"weight|bias", "Q": r"[qkv]", "R": r".+"}
-
-
-def _regex(template: str) -> re.Pattern[str]:
-    parts = re.split(r"(\{[A-Z]\})", template)
-    body = "".join(f"(?P<{p[1]}>{_FIELD[p[1]]})" if re.fullmatch(r"\{[A-Z]\}", p) else re.escape(p) for p in parts)
-    return re.compile(f"^{body}$")
-
-
-def rename(name: str, arch: str, *, to_hf: bool) -> str:
-    """Canonical -> HF name (to_hf) or back, by the first matching rule of `arch`'s map."""
-    if arch not in NAME_MAPS:
-        raise PlanError(f"no HF name map for architecture {arch!r}; known: {sorted(NAME_MAPS)}")
-    for canonical, hf in NAME_MAPS[arch]:
-        src, dst = (canonical, hf) if to_hf else (hf, canonical)
-        m = _regex(src).match(name)
-        if m:
-            return dst.format(**m.groupdict())
-    side = "canonical" if to_hf else "HF"
-    raise CheckpointFormatError(f"{side} parameter {name!r} has no rule in the {arch} name map")
-
 
 def is_hf_checkpoint(path: Path) -> bool:
     return path.is_dir() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
@@ -130,7 +90,7 @@ def _architecture(root: Path, config: Mapping[str, Any] | None, header: Mapping[
             raise CheckpointFormatError(f"{root / CONFIG}: model_type {model_type!r} has no name map; known: "
                                         f"{sorted(HF_MODEL_TYPES)}")
         return HF_MODEL_TYPES[model_type]
-    if header.get(ARCH_KEY) in NAME_MAPS:
+    if header.get(ARCH_KEY) in TABLES:
         return header[ARCH_KEY]
     if any(".block_sparse_moe." in n for n in names):
         return "mixtral"
@@ -160,7 +120,7 @@ def read_hf(path: str | Path) -> CheckpointIndex:
                 raise
             raise CheckpointFormatError(f"{root / f}: unreadable safetensors file: {err}") from err
     arch = _architecture(root, config, header, [k for _, k, _, _ in found])
-    entries = [TensorEntry(key=TensorKey(name=rename(k, arch, to_hf=False), kind=Kind.PARAM), shape=shape, dtype=dt,
+    entries = [TensorEntry(key=TensorKey(name=rename(k, arch, src="hf", dst="canonical"), kind=Kind.PARAM), shape=shape, dtype=dt,
                            chunks=(ChunkRef(file=f, key=(SAFETENSORS, k), offsets=(0,) * len(shape), lengths=shape),))
                for f, k, shape, dt in found]
     dtype = entries[0].dtype if entries else "float32"
@@ -263,7 +223,7 @@ def hf_target(source: CheckpointIndex, *, arch: str | None = None, model_config:
     model_dtype = max(set(dtypes.values()), key=list(dtypes.values()).count)
     config, origin = target_config(source, model_config, vocab_rows=embed[0], dtype=model_dtype)
     arch = arch or HF_MODEL_TYPES.get(str(config.get("model_type")))
-    if arch not in NAME_MAPS:
+    if arch not in TABLES:
         raise PlanError(f"{origin}: model_type {config.get('model_type')!r} has no HF name map; known: "
                         f"{sorted(HF_MODEL_TYPES)}")
     layers = {m.group(1) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}
@@ -272,7 +232,7 @@ def hf_target(source: CheckpointIndex, *, arch: str | None = None, model_config:
     if tied == ("lm_head.weight" in names):
         raise PlanError(f"{origin}: tie_word_embeddings={tied} but the source {source.root} "
                         f"{'has' if tied else 'has no'} a separate lm_head.weight")
-    hf_names = {name: rename(name, arch, to_hf=True) for name in names}
+    hf_names = {name: rename(name, arch, src="canonical", dst="hf") for name in names}
     by_hf = {hf: name for name, hf in hf_names.items()}
     shards = _shards([(hf_names[n], dtypes[n], shapes[n]) for n in names], max_shard_size)
     sharded = len(shards) > 1
@@ -376,4 +336,4 @@ def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
 
 
 SPEC = CheckpointFormat(name=FORMAT, description="Hugging Face save_pretrained folders (config.json, sharded safetensors; llama, mixtral, starcoder2)",
-                        detect=is_hf_checkpoint, read=_read, target=_target, writer=HFWriter())
+                        detect=is_hf_checkpoint, read=_read, target=_target, writer=HFWriter(), names="canonical")

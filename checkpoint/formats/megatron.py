@@ -740,10 +740,15 @@ def writer_ranks(layout: ParallelLayout, *, tp_rank: int, pp_rank: int, ep_rank:
 
 def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None = None) -> ArchSpec:
     """The architecture of `source` for the rules: the Megatron reader's (meta 'arch'), else the model spec
-    the built-in engines save in their client state (`migrate.model`), else `model_config` (an HF config or
+    the built-in engines save in their client state (`migrate.model`), else the source's HF config.json (an
+    HF-Trainer folder's), else `model_config` (an HF config or
     ModelSpec-style fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
     Raises PlanError naming the option to pass when none says it."""
     saved = source.meta.get("arch") or our_client_state(source.meta).get("model")
+    if saved is None and isinstance(source.meta.get("hf_config"), Mapping):  # an HF-Trainer folder's config.json
+        spec = arch_from_config(source.meta["hf_config"], where=f"{source.root}/config.json")
+        # padded as Megatron-LM pads by default (--make-vocab-size-divisible-by 128 times tp)
+        saved = {f: getattr(spec, f) for f in spec.__dataclass_fields__} | {"make_vocab_size_divisible_by": 128}
     given = None if model_config is None else arch_from_config(model_config, where="--model-config")
     if saved is None:
         if given is None:
@@ -1157,7 +1162,8 @@ def _spec() -> Any:
 
     return CheckpointFormat(
         name=FORMAT, description="Megatron-Core torch_dist (dp_/fully_reshardable DistributedOptimizer, any TP/PP/EP)",
-        detect=is_megatron_checkpoint, read=_read, target=_target, writer=MegatronWriter())
+        detect=is_megatron_checkpoint, read=_read, target=_target, writer=MegatronWriter(),
+        names="canonical")
 
 
 SPEC = _spec()

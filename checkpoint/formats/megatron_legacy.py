@@ -595,7 +595,8 @@ def _spec() -> Any:
 
     return CheckpointFormat(
         name=FORMAT, description="Megatron-LM legacy per-rank files (mp_rank_*/model_optim_rng.pt + distrib_optim.pt)",
-        detect=is_legacy_checkpoint, read=_read, target=_target, writer=MegatronLegacyWriter())
+        detect=is_legacy_checkpoint, read=_read, target=_target, writer=MegatronLegacyWriter(),
+        names="canonical")
 
 
 SPEC = _spec()

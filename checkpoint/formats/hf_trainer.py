@@ -1,0 +1,139 @@
+"""transformers `Trainer` checkpoint folders (`checkpoint-N/`) around a DeepSpeed engine's files: what the
+Trainer itself saves beside `global_stepN/` and `latest`, read as metadata and written again for another
+world size.
+
+`Trainer._save_checkpoint` writes `trainer_state.json` (global step, log history, callbacks' state: required
+by `train(resume_from_checkpoint=...)`), the model's `config.json` (and `generation_config.json`),
+`rng_state_{process}.pth` per process (`rng_state.pth` on one), `scheduler.pt` when the Trainer (not
+DeepSpeed) owns the scheduler, and `training_args.bin` (a pickled TrainingArguments, never loaded on
+resume: not read, not carried). On resume each process loads its own RNG file: a target rank takes the
+state of the source rank at the same place when the world size is kept, one copy when every source rank
+holds the same state (the Trainer seeds every process alike), else a state derived from (step, rank)
+(`checkpoint.state.rng.plan_rng`, its decisions reported).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkpoint import safe_load
+from checkpoint.errors import CheckpointFormatError
+from checkpoint.state.rng import _hex, _tensor, plan_rng, roles
+
+TRAINER_STATE = "trainer_state.json"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SCHEDULER = "scheduler.pt"
+_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+_DEVICE_KEYS = ("cuda", "npu", "xla", "hpu", "mlu", "musa")
+
+
+def is_trainer_folder(root: Path) -> bool:
+    return (root / TRAINER_STATE).is_file()
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(content, dict):
+        raise CheckpointFormatError(f"{path}: holds a JSON {type(content).__name__}, not an object")
+    return content
+
+
+def rng_from_trainer(state: Any, where: Path) -> dict[str, Any]:
+    """A Trainer RNG file's content as the plain per-rank state of `checkpoint.state.rng`."""
+    try:
+        version, internal, gauss = state["python"]
+        kind, key, pos, has_gauss, cached = state["numpy"]
+        devices = next(((k, state[k]) for k in _DEVICE_KEYS if k in state), (None, []))
+        device_states = devices[1] if isinstance(devices[1], (list, tuple)) else [devices[1]]
+        if kind != "MT19937":
+            raise ValueError(f"numpy generator {kind!r}")
+        return {"python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
+                "numpy": {"key": [int(x) for x in np.asarray(key)], "pos": int(pos), "has_gauss": int(has_gauss),
+                          "cached_gaussian": float(cached)},
+                "torch": _hex(state["cpu"]), "accelerator": [_hex(t) for t in device_states], "trackers": {},
+                "device_key": devices[0], "device_list": isinstance(devices[1], (list, tuple))}
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"{where}: not a Trainer RNG state (python, numpy, cpu generators): {err}") from None
+
+
+def rng_to_trainer(state: Mapping[str, Any], *, device_key: str | None, device_list: bool) -> dict[str, Any]:
+    """The dict `Trainer._load_rng_state` restores, from a plain per-rank state."""
+    py, n = state["python"], state["numpy"]
+    out: dict[str, Any] = {
+        "python": (py["version"], tuple(py["internal"]), py["gauss_next"]),
+        "numpy": ("MT19937", np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]),
+        "cpu": _tensor(state["torch"])}
+    if device_key is not None:
+        devices = [_tensor(h) for h in state.get("accelerator", [])]
+        out[device_key] = devices if device_list else devices[0]
+    return out
+
+
+def read_trainer_files(root: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
+    """The Trainer's own files in `root` as plain metadata: trainer_state, config, generation_config, per-rank RNG
+    states (rank order; one file: rank 0) and the scheduler state when the Trainer saved one."""
+    state = _json(root / TRAINER_STATE)
+    assert state is not None
+    ranks: dict[int, dict[str, Any]] = {}
+    for f in sorted(root.iterdir()):
+        m = _RNG_RE.match(f.name)
+        if m:
+            ranks[int(m.group(1) or 0)] = rng_from_trainer(
+                safe_load.load(f, trust_checkpoint=trust_checkpoint), f)
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        raise CheckpointFormatError(f"{root}: RNG files for processes {sorted(ranks)}: expected 0..{len(ranks) - 1}")
+    scheduler = None
+    if (root / SCHEDULER).is_file():
+        scheduler = safe_load.load(root / SCHEDULER, trust_checkpoint=trust_checkpoint)
+        if not isinstance(scheduler, Mapping):
+            raise CheckpointFormatError(f"{root / SCHEDULER}: holds {type(scheduler).__name__}, not a scheduler "
+                                        f"state dict")
+        scheduler = dict(scheduler)
+    return {"trainer_state": state, "hf_config": _json(root / CONFIG),
+            "generation_config": _json(root / GENERATION_CONFIG),
+            "rng": [ranks[r] for r in sorted(ranks)], "scheduler": scheduler,
+            "files": sorted(f.name for f in root.iterdir() if f.is_file() and (
+                f.name in (TRAINER_STATE, CONFIG, GENERATION_CONFIG, SCHEDULER) or _RNG_RE.match(f.name)))}
+
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def trainer_files(trainer: Mapping[str, Any], *, world_size: int) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+    """The Trainer's files for a run of `world_size` processes and the RNG decision per process."""
+    out: dict[str, bytes] = {}
+    for name, key in ((CONFIG, "hf_config"), (GENERATION_CONFIG, "generation_config")):
+        if trainer.get(key) is not None:
+            out[name] = (json.dumps(trainer[key], indent=2, sort_keys=True) + "\n").encode()
+    if trainer.get("scheduler") is not None:
+        out[SCHEDULER] = _saved(trainer["scheduler"])
+    decisions: list[dict[str, Any]] = []
+    sources = list(trainer.get("rng") or [])
+    if sources:
+        step = int(trainer["trainer_state"].get("global_step") or 0)
+        states, made = plan_rng(sources, roles(dp=len(sources)), roles(dp=world_size), seed=0, step=step)
+        first = sources[0]
+        for r, state in enumerate(states):
+            name = "rng_state.pth" if world_size == 1 else f"rng_state_{r}.pth"
+            out[name] = _saved(rng_to_trainer(state, device_key=first.get("device_key"),
+                                              device_list=bool(first.get("device_list"))))
+        decisions = [d.as_dict() for d in made]
+    out[TRAINER_STATE] = (json.dumps(trainer["trainer_state"], indent=2, sort_keys=True) + "\n").encode()
+    return out, decisions

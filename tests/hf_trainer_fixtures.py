@@ -1,0 +1,162 @@
+"""Real HF-Trainer + DeepSpeed checkpoints, made and judged by `transformers.Trainer` itself.
+
+`save_trainer_checkpoint(run, out)` trains a small `LlamaForCausalLM` (built from a config, no download) with
+`Trainer(args=TrainingArguments(deepspeed=<ZeRO config>))` at `run.world_size` processes (torchrun, Gloo on
+CPU) and returns `out/checkpoint-N`; DeepSpeed's own accessors gather, at the end of training (the state the
+checkpoint holds), every parameter's fp32 master and Adam moments into `out/reference.pt`.
+`trainer_resume(run, checkpoint, world_size)` runs `Trainer.train(resume_from_checkpoint=checkpoint)` at another
+world size for one more step and returns what it had restored when that step began (the same gathered
+state, the global step, the DeepSpeed scheduler's position) and the step's loss.
+This file is also the script torchrun runs (`python -m torch.distributed.run ... hf_trainer_fixtures.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 97  # odd: Megatron pads it, ZeRO partitions unevenly
+CONFIG = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+SEQ = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerRun:
+    """One HF-Trainer run: processes, ZeRO stage, precision, optimizer steps before the save."""
+
+    world_size: int = 2
+    zero_stage: int = 3
+    precision: str = "fp32"  # fp32 | bf16
+    steps: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"trainer_z{self.zero_stage}_dp{self.world_size}_{self.precision}"
+
+
+def _ds_config(run: TrainerRun) -> dict[str, Any]:
+    """What an HF-Trainer user's ds_config.json holds: "auto" values the Trainer fills in from its arguments."""
+    return {"zero_optimization": {"stage": run.zero_stage}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto", "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                         "warmup_num_steps": "auto"}},
+            "bf16": {"enabled": run.precision == "bf16"}, "zero_allow_untested_optimizer": True}
+
+
+class _Data(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _gathered(model: Any, engine: Any) -> dict[tuple[str, str], torch.Tensor]:
+    """Every parameter's fp32 master and Adam moments, gathered by DeepSpeed's own accessors (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if engine.zero_optimization_stage() < 3:  # ZeRO 1/2 link the accessors to
+        engine.optimizer._hp_optimizer_states_linked = False              # Adam's state at the next step only
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, p in model.named_parameters():
+        out[(name, "fp32_master")] = safe_get_full_fp32_param(p).clone()
+        out[(name, "exp_avg")] = safe_get_full_optimizer_state(p, "exp_avg").clone()
+        out[(name, "exp_avg_sq")] = safe_get_full_optimizer_state(p, "exp_avg_sq").clone()
+    return out
+
+
+def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    if mode == "resume":
+        with torch.no_grad():  # other weights than the checkpoint's: the resume must replace every one
+            for p in model.parameters():
+                p.normal_()
+    steps = run.steps + (1 if mode == "resume" else 0)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, save_steps=run.steps,
+                             save_strategy="steps", logging_steps=1, learning_rate=1e-2, weight_decay=0.01,
+                             warmup_steps=2, use_cpu=True, deepspeed=_ds_config(run), report_to=[], seed=3,
+                             bf16=run.precision == "bf16", dataloader_num_workers=0, disable_tqdm=True)
+    seen: dict[str, Any] = {}
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if mode == "resume" and not seen:
+                engine = trainer.model_wrapped
+                seen.update(state=_gathered(model, engine), global_step=state.global_step,
+                            scheduler=engine.lr_scheduler.last_batch_iteration,
+                            adam_steps=sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values()
+                                               if "step" in s}))
+
+    trainer = Trainer(model=model, args=args, train_dataset=_Data(), callbacks=[Probe()])
+    result = trainer.train(resume_from_checkpoint=resume)
+    if mode == "train":
+        seen.update(state=_gathered(trainer.model, trainer.model_wrapped), global_step=trainer.state.global_step)
+    seen["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    seen["train_loss"] = result.training_loss
+    if rank == 0:
+        torch.save(seen, os.path.join(out, f"{mode}.pt"))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, run: TrainerRun, world_size: int, out: Path, resume: Path | None = None) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+           f"--master_port={_port()}", __file__, mode, json.dumps(dataclasses.asdict(run)), str(out),
+           str(resume or "")]
+    result = out / f"{mode}.pt"
+    result.unlink(missing_ok=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # the verdict follows what rank 0 wrote at the end, not the exit code alone: Gloo now and then aborts a
+    # process at exit, after its work is done (as the DeepSpeed fixtures see too)
+    if not result.is_file():
+        raise RuntimeError(f"Trainer {mode} at {world_size} processes failed (rc {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return torch.load(result, weights_only=True)
+
+
+def save_trainer_checkpoint(run: TrainerRun, out: Path) -> tuple[Path, dict[str, Any]]:
+    """Train `run` and save as the Trainer does; (out/checkpoint-N, the state gathered at the save)."""
+    reference = _launch("train", run, run.world_size, out)
+    return out / f"checkpoint-{run.steps}", reference
+
+
+def trainer_resume(run: TrainerRun, checkpoint: Path, world_size: int, out: Path) -> dict[str, Any]:
+    """`Trainer.train(resume_from_checkpoint=checkpoint)` at `world_size` processes for one more step: what it
+    restored (gathered state, global step, scheduler position, Adam steps) and its losses."""
+    return _launch("resume", run, world_size, out, checkpoint)
+
+
+def config_dict() -> dict[str, Any]:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**CONFIG).to_dict()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], TrainerRun(**json.loads(sys.argv[2])), sys.argv[3], sys.argv[4] or None)

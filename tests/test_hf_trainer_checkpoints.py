@@ -1,0 +1,151 @@
+"""HF-Trainer + DeepSpeed `checkpoint-N/` folders, as `transformers.Trainer` writes them, converted with no flags.
+
+Sources are real Trainer runs of a `LlamaForCausalLM` (module names as transformers names them) under DeepSpeed
+ZeRO-3 (fp32) and ZeRO-2 (bf16) at 2 processes. Judges are the frameworks' own loads: `Trainer.train(
+resume_from_checkpoint=...)` at 3 processes (every fp32 master and Adam moment gathered by DeepSpeed equal to what
+the source run held when it saved, its global step, scheduler position and Adam step), transformers'
+`from_pretrained` (logits of DeepSpeed's own `zero_to_fp32` weights), Megatron-Core's load at TP2 and DCP's load into
+an FSDP2-wrapped transformers model at 3 ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from checkpoint.api import convert, read_index
+from checkpoint.plan import summarize
+from tests.hf_trainer_fixtures import CONFIG, SEQ, VOCAB, TrainerRun, save_trainer_checkpoint, trainer_resume
+
+pytestmark = pytest.mark.slow
+
+RUNS = [TrainerRun(), TrainerRun(zero_stage=2, precision="bf16")]
+TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+@pytest.fixture(scope="session")
+def trainer_checkpoint(tmp_path_factory):
+    """run -> (checkpoint-N folder, the state DeepSpeed held at the save); each run trained once per session."""
+    made: dict[TrainerRun, tuple] = {}
+
+    def get(run: TrainerRun):
+        if run not in made:
+            made[run] = save_trainer_checkpoint(run, tmp_path_factory.mktemp(run.name))
+        return made[run]
+
+    return get
+
+
+def _unequal(want: dict, got: dict) -> list:
+    return [k for k in want if k not in got or want[k].dtype != got[k].dtype or not torch.equal(want[k], got[k])]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint, tmp_path, run):
+    """checkpoint-N at 2 processes -> DeepSpeed at 3 with no flags: the output is a checkpoint-N folder (engine files,
+    trainer_state.json, config.json, an RNG file per process) that `Trainer.train(resume_from_checkpoint=...)` at 3
+    processes takes, restoring every master and moment bit for bit, step 3, the scheduler's position, and trains on."""
+    src, reference = trainer_checkpoint(run)
+    dst = tmp_path / "checkpoint-3"
+    outcome = convert(src, dst, to="deepspeed", dp=3)
+    names = sorted(p.name for p in dst.iterdir())
+    for f in ("config.json", "generation_config.json", "trainer_state.json", "latest", "global_step3",
+              "rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"):
+        assert f in names
+    assert json.loads((dst / "trainer_state.json").read_text()) == json.loads((src / "trainer_state.json").read_text())
+    # processes 0 and 1 keep theirs; process 2 takes the one state every source process holds (the Trainer seeds
+    # them alike)
+    assert [d["policy"] for d in outcome.plan.target.index.meta["trainer_rng"]] == ["carry", "carry", "replicate"]
+    got = trainer_resume(run, dst, 3, tmp_path / "resumed")
+    assert (got["global_step"], got["scheduler"], got["adam_steps"]) == (3, 2, [3.0])
+    assert not _unequal(reference["state"], got["state"])
+    assert len(got["loss"]) == 4 and all(torch.isfinite(torch.tensor(got["loss"])))
+
+
+def _hf_logits(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_transformers_loads_the_hf_conversion_with_zero_to_fp32s_weights(trainer_checkpoint, tmp_path, run):
+    """checkpoint-N -> HF with no flags: config.json from the folder, transformers' names; `from_pretrained` gives the
+    logits of the weights DeepSpeed's own zero_to_fp32 recovers, every tensor equal to that recovery (in the model
+    dtype: a bf16 run's weights are its masters cast, as the Trainer's own save_model would write them)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src, _ = trainer_checkpoint(run)
+    dst = tmp_path / "hf"
+    convert(src, dst, to="hf")
+    fp32 = {k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(src)).items()}
+    saved = load_file(dst / "model.safetensors")
+    dtype = torch.bfloat16 if run.precision == "bf16" else torch.float32
+    assert sorted(saved) == sorted(fp32)
+    assert not [k for k in fp32 if not torch.equal(saved[k], fp32[k].to(dtype))]
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(TOKENS).logits
+    torch.testing.assert_close(got, _hf_logits({k: v.to(dtype).float() for k, v in fp32.items()}), rtol=0, atol=0)
+
+
+def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path):
+    """checkpoint-N -> Megatron torch_dist at TP2 with no flags (architecture from config.json, names through the
+    llama table): iteration 3 (the step re-read), and Megatron-Core's GPTModel loaded from it at TP2 gives
+    transformers' logits for the same weights (padded vocabulary rows zero)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from migrate.workload.model_spec import ModelSpec
+    from tests.megatron_lm_fixtures import MegatronLMRun, finetune_logits
+
+    src, _ = trainer_checkpoint(RUNS[0])
+    dst = tmp_path / "megatron"
+    outcome = convert(src, dst, to="megatron", tp=2)
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert "parameter names: hf -> canonical" in summarize(outcome.plan)
+    assert read_index(dst).meta["train_state"]["step"] == 3
+    spec = ModelSpec(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
+                     ffn_hidden_size=CONFIG["intermediate_size"], num_attention_heads=CONFIG["num_attention_heads"],
+                     num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB, seq_length=SEQ,
+                     make_vocab_size_divisible_by=128, norm_eps=CONFIG["rms_norm_eps"], rotary_base=10000.0)
+    run = MegatronLMRun(tp=2, model=spec, steps=3)
+    logits = finetune_logits(run, dst, TOKENS)
+    assert logits.shape[-1] == 256  # 97 rows padded to a multiple of 128 * tp
+    want = _hf_logits(get_fp32_state_dict_from_zero_checkpoint(str(src)))
+    torch.testing.assert_close(logits[..., :VOCAB], want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[..., VOCAB:], torch.zeros_like(logits[..., VOCAB:]))
+
+
+def test_dcp_load_into_fsdp2_transformers_model_restores_the_trainers_state(trainer_checkpoint, tmp_path):
+    """checkpoint-N -> DCP at 3 ranks with no flags: transformers' module names are kept, so DCP's load into an
+    FSDP2-wrapped LlamaForCausalLM + AdamW restores every master and moment the Trainer run held, and step 3."""
+    from tests.framework_loads import dcp_loaded
+
+    src, reference = trainer_checkpoint(RUNS[0])
+    dst = tmp_path / "dcp"
+    convert(src, dst, to="dcp", dp=3)
+    loaded, steps = dcp_loaded({"hf_config": CONFIG}, dst, dp=3, precision="fp32")
+    assert steps == [3.0]
+    assert not _unequal(reference["state"], loaded)
+
+
+def test_inspect_and_plan_name_the_trainer_state(trainer_checkpoint, tmp_path):
+    """The reader finds transformers' names, config.json and the Trainer's files; the plan says what each RNG file
+    of the target processes is."""
+    src, _ = trainer_checkpoint(RUNS[0])
+    index = read_index(src)
+    assert index.meta["hf_config"]["model_type"] == "llama"
+    assert index.meta["hf_trainer"]["trainer_state"]["global_step"] == 3
+    assert len(index.meta["hf_trainer"]["rng"]) == 2
+    assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(index.files)
+    outcome = convert(src, tmp_path / "dry", to="deepspeed", dp=4, dry_run=True)
+    assert "rng" in summarize(outcome.plan).lower()
+    assert not (tmp_path / "dry").exists()
