@@ -52,8 +52,8 @@ def renamed(index: CheckpointIndex, *, arch: str, src: Naming, dst: Naming, head
     one-row chunks. Raises CheckpointFormatError naming a tensor the table lacks."""
     if src == dst:
         return index
-    permute = {src, dst} & {"torchtitan"} and {src, dst} != {"torchtitan"}
-    counts = heads() if permute and heads is not None else None
+    permute = "torchtitan" in (src, dst)  # hf and canonical share transformers' RoPE order
+    counts: tuple[int, int] | None = None
     entries = []
     for e in index.entries:
         name = rename(e.key.name, arch, src=src, dst=dst)
@@ -61,8 +61,10 @@ def renamed(index: CheckpointIndex, *, arch: str, src: Naming, dst: Naming, head
         row = find_row(e.key.name, arch, src)
         if permute and row is not None and row[0].rope and e.key.kind is not Kind.STEP:
             if counts is None:
-                raise CheckpointFormatError(f"{e.key.name}: the RoPE row order of torchtitan's wq/wk needs the "
-                                            f"attention heads: pass --model-config FILE")
+                if heads is None:
+                    raise CheckpointFormatError(f"{e.key.name}: the RoPE row order of torchtitan's wq/wk needs the "
+                                                f"attention heads: pass --model-config FILE")
+                counts = heads()
             n = counts[0] if row[0].rope == "q" else counts[1]
             chunks = _permuted_rows(e, rope_rows(e.shape[0], n, to=dst if dst == "torchtitan" else "hf"))
         entries.append(dataclasses.replace(e, key=TensorKey(name=name, kind=e.key.kind), chunks=chunks))

@@ -1,4 +1,4 @@
-"""Exporting weights to Hugging Face safetensors and importing them back, per architecture name map.
+"""Exporting weights to Hugging Face safetensors and importing them back, through the name tables.
 
 Sources are real DeepSpeed checkpoints (session fixture); the output is judged by transformers'
 `from_pretrained` (its logits equal the training model's) and the files by the `safetensors` library itself.
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from checkpoint.api import convert, detect_format, read_index
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.formats.hf import NAME_MAPS, rename
+from checkpoint.rules.names import TABLES, rename
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL
@@ -37,19 +37,29 @@ HF_EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(NAME_MAPS))
-def test_name_map_is_a_bijection_over_the_models_parameters(arch):
+@pytest.mark.parametrize("arch", sorted(TABLES))
+def test_name_table_is_a_bijection_over_the_models_parameters(arch):
     names = list(build_decoder(SPECS[arch], 0).state_dict())
-    hf = [rename(n, arch, to_hf=True) for n in names]
+    hf = [rename(n, arch, src="canonical", dst="hf") for n in names]
     assert len(set(hf)) == len(names)
-    assert [rename(h, arch, to_hf=False) for h in hf] == names
+    assert [rename(h, arch, src="hf", dst="canonical") for h in hf] == names
     for canonical, expected in HF_EXAMPLES[arch].items():
-        assert rename(canonical, arch, to_hf=True) == expected
+        assert rename(canonical, arch, src="canonical", dst="hf") == expected
+    if arch == "llama":  # torchtitan's Llama 3 names (its Llama3StateDictAdapter's map)
+        tt = [rename(n, arch, src="canonical", dst="torchtitan") for n in names]
+        assert len(set(tt)) == len(names) and [rename(t, arch, src="torchtitan", dst="hf") for t in tt] == hf
+        assert rename("layers.1.mlp.up_proj.weight", arch, src="canonical", dst="torchtitan") == \
+            "layers.1.feed_forward.w3.weight"
 
 
-def test_unknown_names_are_refused_with_the_name():
+def test_unknown_names_are_refused_with_the_name_and_the_closest_known():
     with pytest.raises(CheckpointFormatError, match="transformer.wpe.weight"):  # GPT-2's learned positions
-        rename("transformer.wpe.weight", "gpt", to_hf=False)
+        rename("transformer.wpe.weight", "gpt", src="hf", dst="canonical")
+    with pytest.raises(CheckpointFormatError, match=r"'model.layers.3.self_attn.qkv_proj.weight'.*closest known: .*"
+                                                    r"model.layers.\{L\}.self_attn.q_proj.weight"):
+        rename("model.layers.3.self_attn.qkv_proj.weight", "llama", src="hf", dst="canonical")
+    with pytest.raises(CheckpointFormatError, match="no torchtitan name"):  # torchtitan groups its experts
+        rename("layers.0.mlp.experts.1.up_proj.weight", "mixtral", src="canonical", dst="torchtitan")
 
 
 def _decoder_logits(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -146,3 +146,45 @@ def test_hf_model_becomes_a_megatron_pretrained_start_with_the_same_logits(tmp_p
     assert got.shape[-1] == 256  # 128 rows padded to a multiple of 128 * tp, as Megatron-LM pads by default
     torch.testing.assert_close(got[..., :LLAMA.vocab_size], _logits(model, tokens), rtol=1e-4, atol=1e-4)
     assert torch.equal(got[..., LLAMA.vocab_size:], torch.zeros_like(got[..., LLAMA.vocab_size:]))
+
+
+def _torchtitan_from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """torchtitan's `Llama3StateDictAdapter._reverse_permute` (torchtitan/models/llama3/model/state_dict_adapter.py):
+    transformers' wq/wk rows into torchtitan's interleaved RoPE order."""
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def test_torchtitan_names_and_rope_rows_both_ways(tmp_path):
+    """HF -> DCP with --dcp-layout torchtitan --param-names torchtitan: torchtitan's names, its wq/wk in its RoPE row
+    order exactly as its state-dict adapter's from_hf makes them; that folder -> HF with no flags (the names say
+    torchtitan) gives `from_pretrained` the source model's logits, every weight bit for bit."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    model = _save_pretrained("llama", tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "tt", to="dcp", dcp_layout="torchtitan", param_names="torchtitan")
+    dcp_to_torch_save(tmp_path / "tt", tmp_path / "tt.pt")
+    import io
+
+    with torch.serialization.safe_globals([io.BytesIO]):  # torchtitan's train_state keeps BytesIO histories
+        saved = torch.load(tmp_path / "tt.pt", weights_only=True)
+    hf = model.state_dict()
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert torch.equal(saved["layers.1.attention.wq.weight"], _torchtitan_from_hf(hf["model.layers.1.self_attn.q_proj.weight"], heads))
+    assert torch.equal(saved["layers.0.attention.wk.weight"], _torchtitan_from_hf(hf["model.layers.0.self_attn.k_proj.weight"], kv))
+    assert torch.equal(saved["layers.0.feed_forward.w3.weight"], hf["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(saved["output.weight"], hf["lm_head.weight"]) and "tok_embeddings.weight" in saved
+    convert(tmp_path / "tt", tmp_path / "back", to="hf")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(hf) and not [k for k in hf if not torch.equal(back[k], hf[k])]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert torch.equal(_logits(loaded, TOKENS), _logits(model, TOKENS))
+
+
+def test_param_names_is_refused_where_the_target_cannot_rename(tmp_path):
+    _save_pretrained("llama", tmp_path / "hf")
+    with pytest.raises(PlanError, match="--param-names hf: deepspeed targets keep the source module names"):
+        convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", param_names="hf")
+    assert not (tmp_path / "ds").exists()

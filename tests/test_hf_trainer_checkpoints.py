@@ -149,3 +149,29 @@ def test_inspect_and_plan_name_the_trainer_state(trainer_checkpoint, tmp_path):
     outcome = convert(src, tmp_path / "dry", to="deepspeed", dp=4, dry_run=True)
     assert "rng" in summarize(outcome.plan).lower()
     assert not (tmp_path / "dry").exists()
+
+
+def test_bad_trainer_files_are_one_line_naming_the_file(trainer_checkpoint, tmp_path):
+    """A truncated trainer_state.json or an RNG file that would run code when unpickled is refused before anything
+    is written, naming the file; the source is left as it was."""
+    import pickle
+    import shutil
+
+    from checkpoint.errors import CheckpointError
+
+    src, _ = trainer_checkpoint(RUNS[0])
+    bad = tmp_path / "checkpoint-3"
+    shutil.copytree(src, bad)
+    (bad / "trainer_state.json").write_text('{"global_step": 3, "log_hist')
+    with pytest.raises(CheckpointError, match=r"trainer_state.json: not valid JSON"):
+        convert(bad, tmp_path / "out1", to="hf")
+    shutil.copy(src / "trainer_state.json", bad / "trainer_state.json")
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"python": Payload()}, bad / "rng_state_1.pth", pickle_module=pickle)
+    with pytest.raises(CheckpointError, match=r"rng_state_1.pth"):
+        convert(bad, tmp_path / "out2", to="deepspeed", dp=3)
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()

@@ -488,4 +488,4 @@ def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
 
 
 SPEC = CheckpointFormat(name=FORMAT, description="PyTorch DCP (FSDP2/torchtitan: model + Adam state)",
-                        detect=is_dcp_checkpoint, read=_read, target=_target, writer=DCPWriter())
+                        detect=is_dcp_checkpoint, read=_read, target=_target, writer=DCPWriter(), names="any")

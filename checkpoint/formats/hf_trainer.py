@@ -26,7 +26,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.state.rng import _hex, _tensor, plan_rng, roles
+from checkpoint.state.rng import plan_rng, roles, state_hex, state_tensor
 
 TRAINER_STATE = "trainer_state.json"
 CONFIG = "config.json"
@@ -64,7 +64,7 @@ def rng_from_trainer(state: Any, where: Path) -> dict[str, Any]:
         return {"python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
                 "numpy": {"key": [int(x) for x in np.asarray(key)], "pos": int(pos), "has_gauss": int(has_gauss),
                           "cached_gaussian": float(cached)},
-                "torch": _hex(state["cpu"]), "accelerator": [_hex(t) for t in device_states], "trackers": {},
+                "torch": state_hex(state["cpu"]), "accelerator": [state_hex(t) for t in device_states], "trackers": {},
                 "device_key": devices[0], "device_list": isinstance(devices[1], (list, tuple))}
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointFormatError(f"{where}: not a Trainer RNG state (python, numpy, cpu generators): {err}") from None
@@ -76,9 +76,9 @@ def rng_to_trainer(state: Mapping[str, Any], *, device_key: str | None, device_l
     out: dict[str, Any] = {
         "python": (py["version"], tuple(py["internal"]), py["gauss_next"]),
         "numpy": ("MT19937", np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]),
-        "cpu": _tensor(state["torch"])}
+        "cpu": state_tensor(state["torch"])}
     if device_key is not None:
-        devices = [_tensor(h) for h in state.get("accelerator", [])]
+        devices = [state_tensor(h) for h in state.get("accelerator", [])]
         out[device_key] = devices if device_list else devices[0]
     return out
 

@@ -32,7 +32,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.state.rng import _generator_state_like, _hex
+from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
 Fault = Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights", "scale_weights"]
@@ -71,7 +71,7 @@ def reset_rng(client: Mapping[str, Any]) -> dict[str, Any]:
             "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
             "numpy": {"key": [int(x) for x in np_state["state"]["key"]], "pos": int(np_state["state"]["pos"]),
                       "has_gauss": int(np_state["has_gauss"]), "cached_gaussian": float(np_state["gauss"])},
-            "torch": _hex(torch.Generator().manual_seed(seed).get_state()),
+            "torch": state_hex(torch.Generator().manual_seed(seed).get_state()),
             "accelerator": [_generator_state_like(h, seed) for h in state.get("accelerator", [])],
             "trackers": {k: _generator_state_like(h, seed) for k, h in state.get("trackers", {}).items()},
         })

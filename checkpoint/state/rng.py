@@ -87,11 +87,13 @@ def role_from_dict(d: Mapping[str, int]) -> RankRole:
 
 # ---------------------------------------------------------------- effects: the process's generators
 
-def _hex(t: torch.Tensor) -> str:
+def state_hex(t: torch.Tensor) -> str:
+    """A generator state tensor as the hex string the plain per-rank state holds."""
     return bytes(t.contiguous().view(torch.uint8).tolist()).hex()
 
 
-def _tensor(h: str) -> torch.Tensor:
+def state_tensor(h: str) -> torch.Tensor:
+    """The generator state tensor of a hex string (`state_hex`'s inverse)."""
     return torch.frombuffer(bytearray(bytes.fromhex(h)), dtype=torch.uint8).clone()
 
 
@@ -100,14 +102,14 @@ def capture_rng_state(trackers: Mapping[str, torch.Tensor] | None = None) -> dic
     given tracker states)."""
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
-    accelerator = [_hex(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    accelerator = [state_hex(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
     return {
         "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
         "numpy": {"key": [int(x) for x in np_state["state"]["key"]], "pos": int(np_state["state"]["pos"]),
                   "has_gauss": int(np_state["has_gauss"]), "cached_gaussian": float(np_state["gauss"])},
-        "torch": _hex(torch.get_rng_state()),
+        "torch": state_hex(torch.get_rng_state()),
         "accelerator": accelerator,
-        "trackers": {name: _hex(t) for name, t in sorted((trackers or {}).items())},
+        "trackers": {name: state_hex(t) for name, t in sorted((trackers or {}).items())},
     }
 
 
@@ -119,14 +121,14 @@ def restore_rng_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     n = state["numpy"]
     np.random.set_state(("MT19937", np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    torch.set_rng_state(_tensor(state["torch"]))
+    torch.set_rng_state(state_tensor(state["torch"]))
     devices = state.get("accelerator", [])
     if devices:
         if not torch.cuda.is_available() or torch.cuda.device_count() != len(devices):
             raise RuntimeError(f"RNG state holds {len(devices)} accelerator generator(s) but this process sees "
                                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
-        torch.cuda.set_rng_state_all([_tensor(h) for h in devices])
-    return {name: _tensor(h) for name, h in state.get("trackers", {}).items()}
+        torch.cuda.set_rng_state_all([state_tensor(h) for h in devices])
+    return {name: state_tensor(h) for name, h in state.get("trackers", {}).items()}
 
 
 # ---------------------------------------------------------------- Megatron-LM's per-rank form (pure)
@@ -143,14 +145,14 @@ def to_megatron(state: Mapping[str, Any]) -> dict[str, Any]:
         "random_rng_state": (int(py["version"]), tuple(int(x) for x in py["internal"]), py["gauss_next"]),
         "np_rng_state": ("MT19937", [int(x) for x in n["key"]], int(n["pos"]), int(n["has_gauss"]),
                          float(n["cached_gaussian"])),
-        "torch_rng_state": _tensor(state["torch"]),
-        "rng_tracker_states": {name: _tensor(h) for name, h in sorted(state.get("trackers", {}).items())},
+        "torch_rng_state": state_tensor(state["torch"]),
+        "rng_tracker_states": {name: state_tensor(h) for name, h in sorted(state.get("trackers", {}).items())},
     }
     devices = state.get("accelerator", [])
     if len(devices) > 1:
         raise PlanError(f"RNG state holds {len(devices)} device generators; Megatron keeps the current device's only")
     if devices:
-        out["cuda_rng_state"] = _tensor(devices[0])
+        out["cuda_rng_state"] = state_tensor(devices[0])
     return out
 
 
@@ -168,9 +170,9 @@ def from_megatron(state: Mapping[str, Any], *, where: str = "rng_state") -> dict
         "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
         "numpy": {"key": [int(x) for x in key], "pos": int(pos), "has_gauss": int(has_gauss),
                   "cached_gaussian": float(cached)},
-        "torch": _hex(state["torch_rng_state"]),
-        "accelerator": [_hex(cuda)] if cuda is not None else [],
-        "trackers": {name: _hex(t) for name, t in sorted((state.get("rng_tracker_states") or {}).items())},
+        "torch": state_hex(state["torch_rng_state"]),
+        "accelerator": [state_hex(cuda)] if cuda is not None else [],
+        "trackers": {name: state_hex(t) for name, t in sorted((state.get("rng_tracker_states") or {}).items())},
     }
 
 
@@ -222,7 +224,7 @@ def _generator_state_like(example_hex: str, seed: int) -> str:
     twister, or the 16-byte Philox seed+offset of CUDA/NPU generators)."""
     if len(example_hex) == 2 * _PHILOX_STATE_BYTES:
         return (seed.to_bytes(8, "little") + (0).to_bytes(8, "little")).hex()
-    return _hex(torch.Generator().manual_seed(seed).get_state())
+    return state_hex(torch.Generator().manual_seed(seed).get_state())
 
 
 def derive_rng_state(*, seed: int, step: int, role: RankRole, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -244,7 +246,7 @@ def derive_rng_state(*, seed: int, step: int, role: RankRole, like: Mapping[str,
         "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
         "numpy": {"key": [int(x) for x in np_state["state"]["key"]], "pos": int(np_state["state"]["pos"]),
                   "has_gauss": int(np_state["has_gauss"]), "cached_gaussian": float(np_state["gauss"])},
-        "torch": _hex(torch.Generator().manual_seed(base).get_state()),
+        "torch": state_hex(torch.Generator().manual_seed(base).get_state()),
         "accelerator": [_generator_state_like(h, base) for h in like.get("accelerator", [])],
         "trackers": trackers,
     }

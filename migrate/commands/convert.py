@@ -67,6 +67,9 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.option("--dcp-layout", type=click.Choice(["nested", "torchtitan"]), default=None,
               help="--to dcp: FSDP2's nested model/optimizer state (default) or torchtitan's CheckpointManager layout "
                    "(model keys at the top level, flattened optimizer state, train_state)")
+@click.option("--param-names", type=click.Choice(["canonical", "hf", "torchtitan"]), default=None,
+              help="--to dcp: the parameter-name convention written (default: the source's): transformers' module "
+                   "names, torchtitan's Llama names (wq/wk rows in its RoPE order) or the built-in decoder's")
 @click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="the architecture when the source does not record it, or to override what it records (each "
                    "overridden field is named): an HF config.json (llama/mixtral/starcoder2 keys) or a job YAML (its "
@@ -79,6 +82,7 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.option("--overwrite", is_flag=True, help="replace an earlier conversion's output in DST (finished or not)")
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
             ep: int | None, vpp: int | None, max_shard_size: str | None, dcp_layout: str | None,
+            param_names: str | None,
             dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
             model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
@@ -98,7 +102,7 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
         try:
             outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
                               model_config=config, max_shard_size=_shard_size(max_shard_size),
-                              dcp_layout=dcp_layout, dry_run=dry_run,
+                              dcp_layout=dcp_layout, param_names=param_names, dry_run=dry_run,
                               map_fn=map_fn, trust_checkpoint=trust_checkpoint,
                               follow_symlinks=follow_symlinks, existing=existing)
         except CheckpointError as exc:
