@@ -146,6 +146,13 @@ def test_inspect_and_plan_name_the_trainer_state(trainer_checkpoint, tmp_path):
     assert index.meta["hf_trainer"]["trainer_state"]["global_step"] == 3
     assert len(index.meta["hf_trainer"]["rng"]) == 2
     assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(index.files)
+    from click.testing import CliRunner
+
+    from migrate.cli import main as cli
+
+    shown = CliRunner().invoke(cli, ["inspect", str(src)])
+    assert shown.exit_code == 0 and "hf trainer  global_step 3, config.json model_type llama, 2 RNG file(s)" in \
+        shown.output
     outcome = convert(src, tmp_path / "dry", to="deepspeed", dp=4, dry_run=True)
     assert "rng" in summarize(outcome.plan).lower()
     assert not (tmp_path / "dry").exists()

@@ -69,7 +69,7 @@ def _files(root: Path) -> list[str]:
     return files
 
 
-def _json_file(path: Path) -> dict[str, Any] | None:
+def json_object_file(path: Path) -> dict[str, Any] | None:
     """A JSON object file's content; None when the file is absent."""
     if not path.is_file():
         return None
@@ -103,8 +103,8 @@ def read_hf(path: str | Path) -> CheckpointIndex:
     from safetensors import safe_open
 
     root = Path(path)
-    config = _json_file(root / CONFIG)
-    generation = _json_file(root / GENERATION_CONFIG)
+    config = json_object_file(root / CONFIG)
+    generation = json_object_file(root / GENERATION_CONFIG)
     files = _files(root)
     found: list[tuple[str, str, tuple[int, ...], str]] = []
     header: dict[str, str] = {}

@@ -26,6 +26,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.formats.hf import json_object_file
 from checkpoint.state.rng import plan_rng, roles, state_hex, state_tensor
 
 TRAINER_STATE = "trainer_state.json"
@@ -38,18 +39,6 @@ _DEVICE_KEYS = ("cuda", "npu", "xla", "hpu", "mlu", "musa")
 
 def is_trainer_folder(root: Path) -> bool:
     return (root / TRAINER_STATE).is_file()
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(content, dict):
-        raise CheckpointFormatError(f"{path}: holds a JSON {type(content).__name__}, not an object")
-    return content
 
 
 def rng_from_trainer(state: Any, where: Path) -> dict[str, Any]:
@@ -86,7 +75,7 @@ def rng_to_trainer(state: Mapping[str, Any], *, device_key: str | None, device_l
 def read_trainer_files(root: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
     """The Trainer's own files in `root` as plain metadata: trainer_state, config, generation_config, per-rank RNG
     states (rank order; one file: rank 0) and the scheduler state when the Trainer saved one."""
-    state = _json(root / TRAINER_STATE)
+    state = json_object_file(root / TRAINER_STATE)
     assert state is not None
     ranks: dict[int, dict[str, Any]] = {}
     for f in sorted(root.iterdir()):
@@ -103,8 +92,8 @@ def read_trainer_files(root: Path, *, trust_checkpoint: bool = False) -> dict[st
             raise CheckpointFormatError(f"{root / SCHEDULER}: holds {type(scheduler).__name__}, not a scheduler "
                                         f"state dict")
         scheduler = dict(scheduler)
-    return {"trainer_state": state, "hf_config": _json(root / CONFIG),
-            "generation_config": _json(root / GENERATION_CONFIG),
+    return {"trainer_state": state, "hf_config": json_object_file(root / CONFIG),
+            "generation_config": json_object_file(root / GENERATION_CONFIG),
             "rng": [ranks[r] for r in sorted(ranks)], "scheduler": scheduler,
             "files": sorted(f.name for f in root.iterdir() if f.is_file() and (
                 f.name in (TRAINER_STATE, CONFIG, GENERATION_CONFIG, SCHEDULER) or _RNG_RE.match(f.name)))}

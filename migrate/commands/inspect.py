@@ -46,7 +46,17 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "architecture_overrides": list(meta.get("arch_overrides") or ()),
         "megatron_args": dict(meta.get("megatron_args") or {}),
         "dcp_layout": meta.get("dcp_layout"),
+        "hf_trainer": _trainer_summary(meta.get("hf_trainer")),
     }
+
+
+def _trainer_summary(trainer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What an HF-Trainer folder holds beside the engine's files (None for other checkpoints)."""
+    if not trainer:
+        return None
+    return {"global_step": trainer["trainer_state"].get("global_step"),
+            "model_type": (trainer.get("hf_config") or {}).get("model_type"), "rng_files": len(trainer["rng"]),
+            "scheduler_file": trainer.get("scheduler") is not None, "files": list(trainer["files"])}
 
 
 def render(info: dict[str, Any]) -> str:
@@ -69,6 +79,10 @@ def _architecture_lines(info: dict[str, Any]) -> list[str]:
     lines = []
     if info["dcp_layout"]:
         lines.append(f"  found       {info['dcp_layout']}")
+    if trainer := info.get("hf_trainer"):
+        lines.append(f"  hf trainer  global_step {trainer['global_step']}, config.json model_type "
+                     f"{trainer['model_type']}, {trainer['rng_files']} RNG file(s), scheduler.pt "
+                     f"{'yes' if trainer['scheduler_file'] else 'no (DeepSpeed holds the scheduler)'}")
     if info["optimizer_sharding"]:
         lines.append(f"  optimizer   {info['optimizer_sharding']}")
     if arch := info["architecture"]:
