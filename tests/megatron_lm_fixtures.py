@@ -69,6 +69,7 @@ class MegatronLMRun:
     distributed_optimizer: bool = True  # --use-distributed-optimizer
     ckpt_format: str = "torch_dist"  # --ckpt-format: torch_dist | torch (legacy: mp_rank_* dirs, distrib_optim.pt)
     model: ModelSpec | None = None  # another model than the family's tiny default
+    override_opt_param_scheduler: bool = False  # --override-opt_param-scheduler: the run's own LR schedule
 
     @property
     def world_size(self) -> int:
@@ -173,7 +174,9 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.lr / 10,
                                         lr_warmup_steps=gbs, lr_decay_steps=100 * gbs, lr_decay_style="cosine",
                                         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=100 * gbs,
-                                        wd_incr_style="constant")
+                                        wd_incr_style="constant",
+                                        override_opt_param_scheduler=run.override_opt_param_scheduler,
+                                        use_checkpoint_opt_param_scheduler=not run.override_opt_param_scheduler)
     return chunks, optimizer, scheduler, spec
 
 
@@ -445,7 +448,8 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
             ckpt_args = common["args"]
             ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
                           getattr(ckpt_args, "pipeline_model_parallel_size", 1))
-            load_rng = ckpt_tp_pp == (run.tp, run.pp)
+            # as Megatron-LM decides: the RNG state is loaded at the same TP/PP unless the checkpoint has none
+            load_rng = ckpt_tp_pp == (run.tp, run.pp) and not getattr(ckpt_args, "no_save_rng", False)
             content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
             sharding = content["distrib_optim_sharding_type"]
             if not load_rng and sharding not in DistributedOptimizer.checkpoint_fully_reshardable_formats:

@@ -65,6 +65,43 @@ def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint
     assert len(got["loss"]) == 4 and all(torch.isfinite(torch.tensor(got["loss"])))
 
 
+def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, groups: int) -> dict[str, torch.Tensor]:
+    """transformers-named (name, kind) tensors laid out as Megatron-Core's GPTModel keys them in a fully reshardable
+    save (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, layers stacked): QKV fused per query group (its
+    heads' q rows, then k, then v), gate and up stacked into linear_fc1, the norms inside the linears they feed."""
+    kinds = {"fp32_master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    layers = CONFIG["num_hidden_layers"]
+    out = {}
+    for kind, prefix in kinds.items():
+        def t(name):
+            return state[(name, kind)]
+
+        def stacked(fn):
+            return torch.stack([fn(f"model.layers.{i}.") for i in range(layers)])
+
+        def qkv(p):
+            q, k, v = t(p + "self_attn.q_proj.weight"), t(p + "self_attn.k_proj.weight"), t(p + "self_attn.v_proj.weight")
+            hd = q.shape[0] // heads
+            per = heads // groups
+            return torch.cat([torch.cat([q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
+                                         v[g * hd:(g + 1) * hd]]) for g in range(groups)])
+
+        keys = {
+            "embedding.word_embeddings.weight": t("model.embed_tokens.weight"),
+            "output_layer.weight": t("lm_head.weight"),
+            "decoder.final_layernorm.weight": t("model.norm.weight"),
+            "decoder.layers.self_attention.linear_qkv.weight": stacked(qkv),
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stacked(lambda p: t(p + "input_layernorm.weight")),
+            "decoder.layers.self_attention.linear_proj.weight": stacked(lambda p: t(p + "self_attn.o_proj.weight")),
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": stacked(lambda p: t(p + "post_attention_layernorm.weight")),
+            "decoder.layers.mlp.linear_fc1.weight": stacked(lambda p: torch.cat([t(p + "mlp.gate_proj.weight"),
+                                                                                t(p + "mlp.up_proj.weight")])),
+            "decoder.layers.mlp.linear_fc2.weight": stacked(lambda p: t(p + "mlp.down_proj.weight")),
+        }
+        out |= {f"optimizer.state.{prefix}.{k}": v for k, v in keys.items()}
+    return out
+
+
 def _hf_logits(state: dict[str, torch.Tensor]) -> torch.Tensor:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,24 +136,37 @@ def test_transformers_loads_the_hf_conversion_with_zero_to_fp32s_weights(trainer
 
 def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path):
     """checkpoint-N -> Megatron torch_dist at TP2 with no flags (architecture from config.json, names through the
-    llama table): iteration 3 (the step re-read), and Megatron-Core's GPTModel loaded from it at TP2 gives
-    transformers' logits for the same weights (padded vocabulary rows zero)."""
+    llama table): Megatron-LM's load at TP2 (its args checks, optimizer, scheduler) restores iteration 3, Adam's step
+    3, the 12 samples consumed and every fp32 master and moment the Trainer run held (padded vocabulary rows zero),
+    takes no RNG (none crosses frameworks), and its logits are transformers' for the same weights."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from migrate.workload.model_spec import ModelSpec
-    from tests.megatron_lm_fixtures import MegatronLMRun, finetune_logits
+    from tests.megatron_lm_fixtures import MegatronLMRun, finetune_logits, load_megatron_lm, plain_state
 
-    src, _ = trainer_checkpoint(RUNS[0])
+    src, reference = trainer_checkpoint(RUNS[0])
     dst = tmp_path / "megatron"
     outcome = convert(src, dst, to="megatron", tp=2)
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert "parameter names: hf -> canonical" in summarize(outcome.plan)
+    plan = summarize(outcome.plan)
+    assert "parameter names: hf -> canonical" in plan and "--override-opt_param-scheduler" in plan
     assert read_index(dst).meta["train_state"]["step"] == 3
     spec = ModelSpec(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
                      ffn_hidden_size=CONFIG["intermediate_size"], num_attention_heads=CONFIG["num_attention_heads"],
-                     num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB, seq_length=SEQ,
+                     num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB, seq_length=CONFIG["max_position_embeddings"],
                      make_vocab_size_divisible_by=128, norm_eps=CONFIG["rms_norm_eps"], rotary_base=10000.0)
-    run = MegatronLMRun(tp=2, model=spec, steps=3)
+    # the user's own Megatron-LM schedule from the samples consumed (--override-opt_param-scheduler)
+    run = MegatronLMRun(tp=2, model=spec, steps=3, global_batch_size=4, override_opt_param_scheduler=True)
+    loaded = load_megatron_lm(run, dst, tmp_path / "loaded")
+    assert {(r["iteration"], tuple(r["adam_steps"]), r["consumed_train_samples"], r["rng_loaded"])
+            for r in loaded} == {(3, (3.0,), 12, False)}  # 3 steps of 2 processes x micro batch 2; no RNG crosses
+    got = plain_state(tmp_path / "loaded")
+    want = megatron_layout(reference["state"], heads=CONFIG["num_attention_heads"],
+                           groups=CONFIG["num_key_value_heads"])
+    assert len(want) == 3 * 9 and set(want) <= set(got)
+    rows = {k: got[k][:VOCAB] if k.endswith(("word_embeddings.weight", "output_layer.weight")) else got[k] for k in want}
+    assert not _unequal(want, rows)
+    assert all(not got[k][VOCAB:].any() for k in want if k.endswith(("word_embeddings.weight", "output_layer.weight")))
     logits = finetune_logits(run, dst, TOKENS)
     assert logits.shape[-1] == 256  # 97 rows padded to a multiple of 128 * tp
     want = _hf_logits(get_fp32_state_dict_from_zero_checkpoint(str(src)))

@@ -64,6 +64,34 @@ def fields_from_model_spec(spec: Mapping[str, Any], *, origin: str) -> ModelFiel
         max_position_embeddings=int(_need(spec, "seq_length", origin)), origin=origin)
 
 
+def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFields:
+    """From an HF `config.json` (llama, mistral, mixtral, starcoder2), read through transformers' config class so
+    that the entries `save_pretrained` leaves out (those at their defaults) take the class's defaults."""
+    import transformers
+
+    family = HF_MODEL_TYPES.get(str(config.get("model_type")))
+    if family is None:
+        raise PlanError(f"{origin}: model_type {config.get('model_type')!r}; known: {sorted(HF_MODEL_TYPES)}")
+    try:
+        c = transformers.AutoConfig.for_model(str(config["model_type"]),
+                                              **{k: v for k, v in config.items() if k != "model_type"})
+    except (TypeError, ValueError, KeyError) as err:
+        raise PlanError(f"{origin}: transformers does not take this config ({err})") from None
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
+    heads = int(c.num_attention_heads)
+    return ModelFields(
+        architecture=family, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
+        ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
+        num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), vocab_size=int(c.vocab_size),
+        tied_embeddings=bool(c.tie_word_embeddings), num_experts=int(getattr(c, "num_local_experts", 0) or 0),
+        moe_top_k=int(getattr(c, "num_experts_per_tok", 2) or 2),
+        rope_theta=float(_need({"rope_theta": theta}, "rope_theta", origin)),
+        norm_eps=float(_need({"norm_eps": getattr(c, "rms_norm_eps", getattr(c, "norm_epsilon", None))}, "norm_eps",
+                             origin)),
+        max_position_embeddings=int(c.max_position_embeddings), origin=origin)
+
+
 def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelFields:
     """From Megatron-LM's args (as `args_summary` keeps them). Refuses, naming the field, what an HF Llama,
     Mixtral or Starcoder2 cannot express: partial or interleaved rotary, RoPE scaling, zero-centred norms."""

@@ -40,8 +40,9 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
+from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fields_from_model_spec
 from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
-                                              overrides, target_args, vocab_is_padded)
+                                              overrides, synthesized_args, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -794,16 +795,76 @@ def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any
                         f"state")
     group |= {"betas": tuple(group.get("betas", (0.9, 0.999))), "step": float(step), "default_config": True,
               "is_decoupled_lr": False, "is_expert_parallel": False, "lr_mult": 1.0, "max_lr": group["lr"],
-              "min_lr": None, "wd_mult": 1.0}
+              "min_lr": 0.0, "wd_mult": 1.0}  # Megatron-LM's --min-lr default
     client = dict(((ts.get("client") or {}).get(CLIENT_STATE_KEY)) or {})
     ours = {k: v for k, v in client.items() if k not in ("rng", "roles", "model", "layout")}
     model = dict(client.get("model") or {})  # the engines' whole spec (norm epsilon, RoPE base) stays
     ours |= {"step": int(step), "model": model | {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}}
+    if (hf := _hf_config(source)) is not None:
+        ours["hf_config"] = hf  # an HF config.json the source came with: an HF target of this output reuses it
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
-    return {"common": {"iteration": int(step), "checkpoint_version": 3.0, "migrate": ours},
+    batch = _global_batch(source)
+    args = synthesized_args(arch, _model_fields(source), iteration=int(step), global_batch_size=batch,
+                            weights_only=False, hf_tokenizer=hf is not None)
+    samples = int(step) * batch if batch else 0
+    scheduler, note = _scheduler_at(samples, lr=float(group["lr"]), weight_decay=float(group.get("weight_decay", 0.0)),
+                                    known=batch is not None, source=source)
+    return {"common": {"iteration": int(step), "checkpoint_version": 3.0, "migrate": ours, "args": args,
+                       "opt_param_scheduler": scheduler}, "start_note": note,
             "optimizer_groups": [{"param_groups": [group, {**group, "wd_mult": 0.0}]}],
             "model_dtype": params[0].dtype if params else "float32", "objects": [],
             "new_objects": extra_state_objects(arch)}
+
+
+def _scheduler_at(samples: int, *, lr: float, weight_decay: float, known: bool, source: CheckpointIndex
+                  ) -> tuple[dict[str, Any], str]:
+    """Megatron-LM's `opt_param_scheduler` state for a source of another framework, and the plan's note on it.
+    Megatron counts its schedule in samples; another framework's schedule (DeepSpeed's WarmupLR, the Trainer's)
+    has no Megatron equivalent, so the state holds the source's last learning rate and weight decay held constant
+    from the samples consumed: Megatron-LM loads it with --use-checkpoint-opt_param-scheduler, or with
+    --override-opt_param-scheduler runs the user's own schedule from that sample."""
+    state = {"max_lr": lr, "min_lr": 0.0, "lr_warmup_steps": 0, "num_steps": samples, "lr_decay_style": "constant",
+             "lr_decay_steps": max(samples, 1), "start_wd": weight_decay, "end_wd": weight_decay,
+             "wd_incr_style": "constant", "wd_incr_steps": max(samples, 1)}
+    where = (f"from sample {samples}" if known else
+             f"from sample 0 ({source.root} does not record its global batch, so the samples consumed are unknown)")
+    note = (f"Megatron's LR schedule: the source's last lr {lr:g} and weight decay {weight_decay:g} held constant "
+            f"{where}; launch Megatron-LM with --override-opt_param-scheduler to run your own schedule from there, "
+            f"or --use-checkpoint-opt_param-scheduler to keep it")
+    return state, note
+
+
+def _hf_config(source: CheckpointIndex) -> dict[str, Any] | None:
+    """The HF config.json the source came with (its own, or carried by an earlier conversion); None if none."""
+    config = source.meta.get("hf_config") or our_client_state(source.meta).get("hf_config")
+    return dict(config) if isinstance(config, Mapping) else None
+
+
+def _model_fields(source: CheckpointIndex) -> ModelFields | None:
+    """The model's norm epsilon, RoPE base and positions as the source records them (its HF config, else the
+    built-in engines' model spec); None when it records neither."""
+    if (config := _hf_config(source)) is not None:
+        return fields_from_hf_config(config, origin=f"{source.root}: config.json")
+    model = our_client_state(source.meta).get("model")
+    if isinstance(model, Mapping):
+        try:
+            return fields_from_model_spec(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
+        except PlanError:
+            return None
+    return None
+
+
+def _global_batch(source: CheckpointIndex) -> int | None:
+    """The source run's global batch when it records one: DeepSpeed's train_batch_size, else its micro batch x
+    gradient accumulation x dp (the rule DeepSpeed checks its config by)."""
+    config = (source.meta.get("model_state") or {}).get("ds_config") or {}
+    value = config.get("train_batch_size")
+    if isinstance(value, int) and value > 0:
+        return value
+    micro, accumulation = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(accumulation, int) and micro > 0 and accumulation > 0:
+        return micro * accumulation * int(source.meta.get("dp", 1))
+    return None
 
 
 def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
@@ -836,7 +897,12 @@ def pretrained_meta(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
     optimizer state or param groups, no RNG; the model spec and the layers' empty `_extra_state` objects."""
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
     spec = {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}
-    return {"common": {"iteration": 0, "checkpoint_version": 3.0, "migrate": {"step": 0, "model": spec}},
+    ours: dict[str, Any] = {"step": 0, "model": spec}
+    if (hf := _hf_config(source)) is not None:
+        ours["hf_config"] = hf
+    args = synthesized_args(arch, _model_fields(source), iteration=0, global_batch_size=None, weights_only=True,
+                            hf_tokenizer=hf is not None)
+    return {"common": {"iteration": 0, "checkpoint_version": 3.0, "migrate": ours, "args": args},
             "optimizer_groups": [], "model_dtype": params[0].dtype if params else "float32", "objects": [],
             "new_objects": extra_state_objects(arch), "weights_only": True,
             "start_note": "a pretrained start (weights only, iteration 0, no optimizer or RNG state): load it with "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.formats.hf_config import ModelFields
 from checkpoint.layout import ParallelLayout
 from checkpoint.rules.megatron import ArchSpec
 
@@ -201,3 +202,35 @@ def overrides(args_arch: ArchSpec, given: ArchSpec) -> list[str]:
     """`field: args value -> given value` for each field a --model-config changes (empty when they agree)."""
     return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in ArchSpec.__dataclass_fields__
             if getattr(args_arch, f) != getattr(given, f)]
+
+
+def synthesized_args(arch: ArchSpec, fields: ModelFields | None, *, iteration: int,
+                     global_batch_size: int | None, weights_only: bool, hf_tokenizer: bool) -> argparse.Namespace:
+    """The `args` a checkpoint converted from another framework carries, as Megatron-LM's `parse_args` would
+    have built them for that model: the architecture (from the rules and, where the source records them, the
+    norm epsilon, RoPE base and positions of `fields`), the iteration and the samples consumed (iteration x
+    global batch, when the source records its global batch), `no_save_rng` (no RNG state crosses frameworks)
+    and, for a weights-only start, `no_save_optim`. `tokenizer_type` is said only for sources with an HF
+    config (their tokenizer is transformers'); the layout fields come from `target_args`."""
+    swiglu = arch.architecture in ("llama", "mixtral")
+    a: dict[str, Any] = {
+        "num_layers": arch.num_layers, "hidden_size": arch.hidden_size, "ffn_hidden_size": arch.ffn_hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
+        "num_query_groups": arch.num_query_groups, "kv_channels": arch.head_dim, "swiglu": swiglu,
+        "normalization": "RMSNorm" if swiglu else "LayerNorm", "add_bias_linear": False, "add_qkv_bias": False,
+        "qk_layernorm": False, "untie_embeddings_and_output_weights": not arch.tied_embeddings,
+        "vocab_size": arch.vocab_size, "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
+        "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
+        "use_rope_scaling": False, "apply_layernorm_1p": False, "squared_relu": False, "openai_gelu": False,
+        "num_experts": arch.num_experts or None, "iteration": iteration, "no_save_rng": True,
+        "no_save_optim": True if weights_only else None, "consumed_valid_samples": 0, "skipped_train_samples": 0}
+    if fields is not None:
+        a |= {"norm_epsilon": fields.norm_eps, "rotary_base": fields.rope_theta,
+              "max_position_embeddings": fields.max_position_embeddings,
+              "moe_router_topk": fields.moe_top_k if arch.num_experts else None}
+    if global_batch_size:
+        a |= {"global_batch_size": int(global_batch_size), "consumed_train_samples": iteration * int(global_batch_size)}
+    if hf_tokenizer:
+        a["tokenizer_type"] = "HuggingFaceTokenizer"
+    return argparse.Namespace(**a)
