@@ -165,3 +165,29 @@ def test_dcp_layout_torchtitan_is_what_torchtitans_reload_takes(user_dcp, tmp_pa
     assert step.dtype == torch.int32 and int(step) == (STEPS if layout == "torchtitan" else 0)
     unequal = [k for k, t in loaded.items() if not torch.equal(truth[k], t)]
     assert not unequal, f"torchtitan's reload differs from the {layout} run: {unequal}"
+
+
+def test_torchtitan_dataloader_is_carried_at_its_dp_and_left_out_with_the_reason_elsewhere(user_dcp, tmp_path):
+    """torchtitan's dataloader state (one opaque blob per dp rank and the dp it was saved at, which its loader
+    asserts): at the source's dp the blobs are written bit for bit; at another dp they are not written and the plan
+    says how to launch (--checkpoint.exclude_from_loading dataloader). Read back with torch's own dcp_to_torch_save."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from checkpoint.plan import summarize
+
+    src, _ = user_dcp("torchtitan")
+    dcp_to_torch_save(src, tmp_path / "src.pt")
+    with torch.serialization.safe_globals([io.BytesIO]):
+        want = torch.load(tmp_path / "src.pt", weights_only=True)["dataloader"]
+    same = convert(src, tmp_path / "same", to="dcp", dp=WORLD, dcp_layout="torchtitan")
+    dcp_to_torch_save(tmp_path / "same", tmp_path / "same.pt")
+    with torch.serialization.safe_globals([io.BytesIO]):
+        got = torch.load(tmp_path / "same.pt", weights_only=True)
+    assert got["dataloader"] == want and "exclude_from_loading" not in summarize(same.plan)
+    other = convert(src, tmp_path / "other", to="dcp", dp=3, dcp_layout="torchtitan")
+    dcp_to_torch_save(tmp_path / "other", tmp_path / "other.pt")
+    with torch.serialization.safe_globals([io.BytesIO]):
+        got = torch.load(tmp_path / "other.pt", weights_only=True)
+    assert "dataloader" not in got and "train_state" in got
+    assert f"saved for dp {WORLD}" in summarize(other.plan) and "--checkpoint.exclude_from_loading dataloader" in \
+        summarize(other.plan)

@@ -351,6 +351,23 @@ def _flatten(obj: Any, prefix: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], A
     return [(prefix, obj)]
 
 
+def _dataloader_at(values: dict[str, Any], world: int) -> tuple[dict[str, Any], str | None]:
+    """torchtitan's dataloader state at `world` ranks: carried when the DP size is the source's; else not written,
+    with the plan's note. Its ParallelAwareDataloader keeps one opaque per-rank blob (`dp_rank_<r>`, a pickle
+    the converter never opens) with the `world_size` it was saved at, and asserts that size on load: a rank's
+    position in its data shard has no meaning in another rank's shard."""
+    loader = values.get("dataloader")
+    if not isinstance(loader, Mapping) or "world_size" not in loader:
+        return values, None
+    saved = int(_scalar(loader["world_size"]))
+    if saved == world:
+        return values, None
+    out = {k: v for k, v in values.items() if k != "dataloader"}
+    return out, (f"torchtitan's dataloader state was saved for dp {saved}; torchtitan does not reshard it (its "
+                 f"loader asserts the dp degree), so it is not written at dp {world}: launch with "
+                 f"--checkpoint.exclude_from_loading dataloader (the data stream restarts)")
+
+
 def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -> TargetSpec:
     """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
     `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). A source that keeps Adam's
@@ -383,7 +400,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
                 buffers[data_file(r)].append(TargetBuffer(key=bkey, shape=lens, dtype=dt))
                 chunks.append(ChunkRef(file=data_file(r), key=bkey, offsets=offs, lengths=lens))
             entries.append(TensorEntry(key=key, shape=shp, dtype=dt, chunks=tuple(chunks)))
-    values = _values_from(source, names, layout)
+    values, note = _dataloader_at(_values_from(source, names, layout), world)
     step = derived_step(source)  # a source with Adam's step per param group (Megatron): one per param here
     derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP), layout)), step]
                                        for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
@@ -396,7 +413,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
             + [[path, [], STEP_DTYPE] for path, _ in derived]
             + [[path, list(t.shape), dtype_name(t.dtype)] for path, t in value_tensors],
             "derived_steps": derived + value_tensors, "whole_tensors": [_fqn(p) for p, _ in derived + value_tensors],
-            "dcp_layout": layout}
+            "dcp_layout": layout, **({"start_note": note} if note else {})}
     files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
