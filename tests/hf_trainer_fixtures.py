@@ -38,6 +38,7 @@ class TrainerRun:
     zero_stage: int = 3
     precision: str = "fp32"  # fp32 | bf16
     steps: int = 3
+    config: str = ""  # the model's config.json text (default: CONFIG's LlamaForCausalLM)
 
     @property
     def name(self) -> str:
@@ -80,12 +81,13 @@ def _gathered(model: Any, engine: Any) -> dict[tuple[str, str], torch.Tensor]:
 
 
 def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    config = json.loads(run.config) if run.config else {"model_type": "llama", **CONFIG}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
     if mode == "resume":
         with torch.no_grad():  # other weights than the checkpoint's: the resume must replace every one
             for p in model.parameters():

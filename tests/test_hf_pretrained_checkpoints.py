@@ -185,6 +185,8 @@ def test_torchtitan_names_and_rope_rows_both_ways(tmp_path):
 
 def test_param_names_is_refused_where_the_target_cannot_rename(tmp_path):
     _save_pretrained("llama", tmp_path / "hf")
-    with pytest.raises(PlanError, match="--param-names hf: deepspeed targets keep the source module names"):
-        convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", param_names="hf")
-    assert not (tmp_path / "ds").exists()
+    with pytest.raises(PlanError, match="--param-names hf: megatron targets map canonical names themselves"):
+        convert(tmp_path / "hf", tmp_path / "mc", to="megatron", param_names="hf")
+    with pytest.raises(PlanError, match="--param-names torchtitan: a DeepSpeed target is written in canonical or hf"):
+        convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", param_names="torchtitan")
+    assert not (tmp_path / "mc").exists() and not (tmp_path / "ds").exists()

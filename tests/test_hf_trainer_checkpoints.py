@@ -43,14 +43,18 @@ def _unequal(want: dict, got: dict) -> list:
     return [k for k in want if k not in got or want[k].dtype != got[k].dtype or not torch.equal(want[k], got[k])]
 
 
-@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
-def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint, tmp_path, run):
-    """checkpoint-N at 2 processes -> DeepSpeed at 3 with no flags: the output is a checkpoint-N folder (engine files,
-    trainer_state.json, config.json, an RNG file per process) that `Trainer.train(resume_from_checkpoint=...)` at 3
-    processes takes, restoring every master and moment bit for bit, step 3, the scheduler's position, and trains on."""
+RESUMES = [(RUNS[0], 3), (RUNS[1], 2), (RUNS[0], 2)]  # (source run, ZeRO stage of the resumed run)
+
+
+@pytest.mark.parametrize("run,stage", RESUMES, ids=[f"{r.name}-to-z{s}" for r, s in RESUMES])
+def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint, tmp_path, run, stage):
+    """checkpoint-N at 2 processes -> DeepSpeed at 3 (ZeRO stage kept, or ZeRO-3 -> 2) with no other flag: the output
+    is a checkpoint-N folder (engine files, trainer_state.json, config.json, an RNG file per process) that
+    `Trainer.train(resume_from_checkpoint=...)` at 3 processes takes, restoring every master and moment bit for bit,
+    step 3, the scheduler's position, and trains on."""
     src, reference = trainer_checkpoint(run)
     dst = tmp_path / "checkpoint-3"
-    outcome = convert(src, dst, to="deepspeed", dp=3)
+    outcome = convert(src, dst, to="deepspeed", dp=3, **({} if stage == run.zero_stage else {"zero_stage": stage}))
     names = sorted(p.name for p in dst.iterdir())
     for f in ("config.json", "generation_config.json", "trainer_state.json", "latest", "global_step3",
               "rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"):
@@ -59,7 +63,7 @@ def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint
     # processes 0 and 1 keep theirs; process 2 takes the one state every source process holds (the Trainer seeds
     # them alike)
     assert [d["policy"] for d in outcome.plan.target.index.meta["trainer_rng"]] == ["carry", "carry", "replicate"]
-    got = trainer_resume(run, dst, 3, tmp_path / "resumed")
+    got = trainer_resume(dataclasses.replace(run, zero_stage=stage), dst, 3, tmp_path / "resumed")
     assert (got["global_step"], got["scheduler"], got["adam_steps"]) == (3, 2, [3.0])
     assert not _unequal(reference["state"], got["state"])
     assert len(got["loss"]) == 4 and all(torch.isfinite(torch.tensor(got["loss"])))

@@ -26,6 +26,7 @@ from checkpoint.api import convert, read_index
 from checkpoint.errors import CheckpointError, PlanError
 from checkpoint.index import Kind
 from checkpoint.materialize import iter_tensors
+from checkpoint.plan import summarize
 from tests.megatron_lm_fixtures import (FLOPS_SO_FAR, MegatronLMRun, load_megatron_lm, megatron_logits, plain_state,
                                        save_megatron_lm)
 
@@ -333,3 +334,29 @@ def test_numpy_in_megatron_lm_files_loads_only_as_plain_arrays(megatron_lm_check
     objects = _with_args(src, tmp_path / "objects", extra=np.array([1, "a"], dtype=object))  # no global named
     with pytest.raises(UntrustedCheckpointError, match="ObjectDType"):
         read_index(objects)
+
+
+@pytest.mark.parametrize("run", [DP2, TP2_BF16], ids=[DP2.name, TP2_BF16.name])
+def test_megatron_lm_to_an_hf_trainer_checkpoint_that_trainer_resumes(megatron_lm_checkpoint, tmp_path, run):
+    """Megatron-LM -> DeepSpeed ZeRO-3 at dp 2 with --param-names hf: transformers' names in LlamaForCausalLM's
+    parameter order (ZeRO flattens in that order), config.json from the run's args and a trainer_state.json, so
+    `Trainer.train(resume_from_checkpoint=...)` (its DeepSpeed integration, WarmupLR from the config) resumes from
+    it: every fp32 master and both Adam moments the source holds, its step and the scheduler position."""
+    from checkpoint.rules.names import rename
+    from tests.hf_trainer_fixtures import TrainerRun, trainer_resume
+
+    src, _ = megatron_lm_checkpoint(run)
+    dst = tmp_path / f"checkpoint-{run.steps}"
+    outcome = convert(src, dst, to="deepspeed", dp=2, zero_stage=3, param_names="hf")
+    assert "parameter names: canonical -> hf" in summarize(outcome.plan)
+    config = (dst / "config.json").read_text()
+    assert json.loads(config)["model_type"] == "llama"
+    assert json.loads((dst / "trainer_state.json").read_text())["global_step"] == run.steps
+    truth = {(rename(e.key.name, "llama", src="canonical", dst="hf"), str(e.key.kind)): t
+             for e, t in iter_tensors(read_index(src)) if e.key.kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)}
+    got = trainer_resume(TrainerRun(steps=run.steps, config=config, precision=run.precision), dst, 2,
+                         tmp_path / "resumed")
+    assert (got["global_step"], got["scheduler"], got["adam_steps"]) == (run.steps, run.steps - 1, [float(run.steps)])
+    assert sorted(got["state"]) == sorted(truth)
+    unequal = [k for k in truth if not torch.equal(truth[k], got["state"][k])]
+    assert not unequal, f"the Trainer resumes these unlike the Megatron-LM run: {unequal}"

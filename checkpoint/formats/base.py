@@ -68,9 +68,8 @@ class CheckpointFormat:
     target: Callable[[CheckpointIndex, TargetOptions], TargetSpec] | None = None
     writer: Writer | None = None
     # "canonical": the target builder maps canonical names itself (HF, Megatron), so a source in another naming
-    # convention is renamed first; "source": the module names pass through unchanged (DeepSpeed: its flat buffers
-    # follow the module's parameter order, which a renaming cannot change); "any": names are the keys, so the
-    # target may be written in another convention (--param-names)
+    # convention is renamed first; "source": the module names pass through unchanged; "any": the target may be
+    # written in another convention (--param-names; DeepSpeed then lays its flat buffers out in that model's order)
     names: str = "source"
 
     @property

@@ -38,7 +38,7 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
                                      refuse_tied_embeddings, scalar)
-from checkpoint.formats.hf_trainer import is_trainer_folder, read_trainer_files, trainer_files
+from checkpoint.formats.hf_trainer import is_trainer_folder, new_trainer_state, read_trainer_files, trainer_files
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -644,6 +644,8 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     for k in ("param_groups", "tag", "dtype", "model_state", "param_group_hparams"):
         if k not in m:
             raise PlanError(f"source {source.root} ({source.format}) lacks DeepSpeed metadata {k!r}")
+    if source.meta.get("source_param_naming"):  # written in another naming (--param-names): that model's order
+        m = in_module_order(source, m)
     tag, dtype, bf16 = m["tag"], m["dtype"], m["dtype"] == "bfloat16"
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g] for g in m["param_groups"]]
     src = source.by_key()
@@ -732,6 +734,56 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     return TargetSpec(index=index, files=tuple(files), commit=("latest",))
 
 
+def module_order(source: CheckpointIndex, naming: str) -> tuple[list[str], dict[str, Any] | None]:
+    """The parameter order of the model a DeepSpeed target in `naming` is loaded into, and the HF config it comes
+    from: transformers' model class built from the config on the meta device (`named_parameters()`, what ZeRO
+    flattens), or the built-in decoder's order for canonical names."""
+    from checkpoint.formats.hf import target_config
+    from checkpoint.formats.megatron import source_arch
+    from checkpoint.rules.megatron import hf_order
+
+    if naming == "canonical":
+        return hf_order(source_arch(source)), None
+    if naming != "hf":
+        raise PlanError(f"--param-names {naming}: a DeepSpeed target is written in canonical or hf names (the "
+                        f"parameter order of the model it is loaded into must be known)")
+    import transformers
+
+    embed = next(e.shape for e in source.entries if e.key.name == "model.embed_tokens.weight")
+    dtype = str(source.meta.get("dtype", "float32"))
+    config, _ = target_config(source, None, vocab_rows=embed[0], dtype=dtype)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(str(config["model_type"]), **fields))
+    return [n for n, _ in model.named_parameters()], config
+
+
+def in_module_order(source: CheckpointIndex, m: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed metadata `m` with its param groups (and module keys) in the order of the model the renamed
+    target is loaded into; an HF target also gets the config.json and trainer_state.json of a Trainer
+    checkpoint-N folder when the source is not one. Raises PlanError naming the names the model and the
+    checkpoint do not share."""
+    naming = str(source.meta["param_naming"])
+    order, config = module_order(source, naming)
+    have = [n for g in m["param_groups"] for n, _ in g]
+    if sorted(order) != sorted(have):
+        raise PlanError(f"the {naming} model's parameters and the checkpoint's differ: only the model has "
+                        f"{sorted(set(order) - set(have))[:4]}, only the checkpoint {sorted(set(have) - set(order))[:4]}")
+    rank = {n: i for i, n in enumerate(order)}
+    out = dict(m)
+    out["param_groups"] = [sorted(g, key=lambda p: rank[p[0]]) for g in m["param_groups"]]
+    out["module_keys"] = sorted(m["module_keys"], key=lambda n: rank.get(n, len(rank)))
+    if config is not None and not m.get("hf_trainer"):
+        step = int(m["model_state"].get("global_steps") or 0)
+        # the per-process batch the Trainer compares its arguments with (a warning when they differ)
+        micro = (m["model_state"].get("ds_config") or {}).get("train_micro_batch_size_per_gpu") or \
+            (source.meta.get("megatron_args") or {}).get("micro_batch_size") or 1
+        out["hf_trainer"] = {"trainer_state": new_trainer_state(global_step=step, train_batch_size=int(micro)),
+                             "hf_config": config, "generation_config": None, "rng": [], "scheduler": None, "files": []}
+    return out
+
+
 def _check_module_covered(m: Mapping[str, Any], groups: Sequence[Sequence[Param]],
                           frozen: Sequence[tuple[Param, str]], source: CheckpointIndex) -> None:
     """ZeRO-1/2 store every module tensor whole: each module key must be a trained param, a frozen
@@ -779,8 +831,13 @@ def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
     hparams += [dict(hparams[-1]) for _ in range(len(groups) - len(hparams))]
     from importlib.metadata import version
 
+    scheduler = ts.get("lr_scheduler")
+    if isinstance(scheduler, Mapping) and "last_step" in scheduler and "last_batch_iteration" not in scheduler:
+        # the position as DeepSpeed's own schedulers (WarmupLR, WarmupDecayLR, OneCycle) keep it, beside the
+        # built-in engines' ScheduledLR one: a config-built scheduler resumes at the same step
+        scheduler = {**scheduler, "last_batch_iteration": int(scheduler["last_step"]) - 1}
     model_state = {"buffer_names": [], "optimizer": None, "frozen_param_shapes": None, "shared_params": {},
-                   "frozen_param_fragments": None, "lr_scheduler": ts.get("lr_scheduler"), "data_sampler": None,
+                   "frozen_param_fragments": None, "lr_scheduler": scheduler, "data_sampler": None,
                    "random_ltd": None, "skipped_steps": 0, "global_steps": int(step or 0), "global_samples": 0,
                    "dp_world_size": int(source.meta.get("dp", 1)), "mp_world_size": 1,
                    "ds_config": {"bf16": {"enabled": dtype == "bfloat16"}}, "ds_version": version("deepspeed"),
@@ -921,4 +978,5 @@ def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
 
 
 SPEC = CheckpointFormat(name=FORMAT, description="DeepSpeed ZeRO 1/2/3 (mp_rank_00, any dp)",
-                        detect=is_deepspeed_checkpoint, read=_read, target=_target, writer=DeepSpeedWriter())
+                        detect=is_deepspeed_checkpoint, read=_read, target=_target, writer=DeepSpeedWriter(),
+                        names="any")

@@ -99,6 +99,19 @@ def read_trainer_files(root: Path, *, trust_checkpoint: bool = False) -> dict[st
                 f.name in (TRAINER_STATE, CONFIG, GENERATION_CONFIG, SCHEDULER) or _RNG_RE.match(f.name)))}
 
 
+def new_trainer_state(*, global_step: int, train_batch_size: int) -> dict[str, Any]:
+    """The trainer_state.json of a run that reached `global_step`, as transformers' own TrainerState (with the
+    TrainerControl callback state every Trainer saves) writes it: for a checkpoint-N folder made from another
+    framework's checkpoint."""
+    import dataclasses
+
+    from transformers import TrainerControl, TrainerState
+
+    state = TrainerState(global_step=global_step, train_batch_size=train_batch_size,
+                         stateful_callbacks=[TrainerControl()])
+    return json.loads(json.dumps(dataclasses.asdict(state)))
+
+
 def _saved(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
