@@ -173,4 +173,17 @@ def named_for_target(index: CheckpointIndex, *, target_names: str, want: Naming 
         table, src = found[0]
     else:
         table, src = source_naming(index, hint)
-    return renamed(index, arch=table, src=src, dst=dst, heads=lambda: attention_heads(index, model_config))
+    out = renamed(index, arch=table, src=src, dst=dst, heads=lambda: attention_heads(index, model_config))
+    return tied_head_as_one(out) if dst == "canonical" else out
+
+
+TIED_HEAD = {"lm_head.weight": "embed_tokens.weight"}
+
+
+def tied_head_as_one(index: CheckpointIndex) -> CheckpointIndex:
+    """A source whose only shared parameter is the LM head tied to the embedding (DeepSpeed's `shared_params` of a
+    model with tie_word_embeddings) as the canonical writers hold a tied model: the embedding alone, no alias."""
+    if dict(index.meta.get("shared_params") or {}) != TIED_HEAD:
+        return index
+    meta = {k: v for k, v in index.meta.items() if k != "shared_params"}
+    return dataclasses.replace(index, meta=meta | {"tied_head": True})

@@ -22,7 +22,13 @@ from tests.hf_trainer_fixtures import CONFIG, SEQ, VOCAB, TrainerRun, save_train
 
 pytestmark = pytest.mark.slow
 
+TIED_CONFIG = {"model_type": "llama", **CONFIG, "tie_word_embeddings": True}  # as Llama-3.2-1B and Qwen2.5-0.5B
 RUNS = [TrainerRun(), TrainerRun(zero_stage=2, precision="bf16")]
+TIED = TrainerRun(config=json.dumps(TIED_CONFIG))
+
+
+def _config(run: TrainerRun) -> dict:
+    return {k: v for k, v in (json.loads(run.config) if run.config else CONFIG).items() if k != "model_type"}
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(11))
 
 
@@ -69,7 +75,8 @@ def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint
     assert len(got["loss"]) == 4 and all(torch.isfinite(torch.tensor(got["loss"])))
 
 
-def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, groups: int) -> dict[str, torch.Tensor]:
+def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, groups: int, tied: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """transformers-named (name, kind) tensors laid out as Megatron-Core's GPTModel keys them in a fully reshardable
     save (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, layers stacked): QKV fused per query group (its
     heads' q rows, then k, then v), gate and up stacked into linear_fc1, the norms inside the linears they feed."""
@@ -92,7 +99,7 @@ def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, g
 
         keys = {
             "embedding.word_embeddings.weight": t("model.embed_tokens.weight"),
-            "output_layer.weight": t("lm_head.weight"),
+            "output_layer.weight": None if tied else t("lm_head.weight"),
             "decoder.final_layernorm.weight": t("model.norm.weight"),
             "decoder.layers.self_attention.linear_qkv.weight": stacked(qkv),
             "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stacked(lambda p: t(p + "input_layernorm.weight")),
@@ -102,20 +109,22 @@ def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, g
                                                                                 t(p + "mlp.up_proj.weight")])),
             "decoder.layers.mlp.linear_fc2.weight": stacked(lambda p: t(p + "mlp.down_proj.weight")),
         }
+        if tied:  # Megatron-Core's output layer is the embedding at PP 1: no key of its own
+            del keys["output_layer.weight"]
         out |= {f"optimizer.state.{prefix}.{k}": v for k, v in keys.items()}
     return out
 
 
-def _hf_logits(state: dict[str, torch.Tensor]) -> torch.Tensor:
+def _hf_logits(state: dict[str, torch.Tensor], run: TrainerRun = RUNS[0]) -> torch.Tensor:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
-    model.load_state_dict(state, strict=True)
+    model = LlamaForCausalLM(LlamaConfig(**_config(run))).eval()
+    model.load_state_dict(state, strict=not LlamaConfig(**_config(run)).tie_word_embeddings)
     with torch.no_grad():
         return model(TOKENS).logits
 
 
-@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+@pytest.mark.parametrize("run", [*RUNS, TIED], ids=[r.name for r in RUNS] + ["tied"])
 def test_transformers_loads_the_hf_conversion_with_zero_to_fp32s_weights(trainer_checkpoint, tmp_path, run):
     """checkpoint-N -> HF with no flags: config.json from the folder, transformers' names; `from_pretrained` gives the
     logits of the weights DeepSpeed's own zero_to_fp32 recovers, every tensor equal to that recovery (in the model
@@ -130,15 +139,19 @@ def test_transformers_loads_the_hf_conversion_with_zero_to_fp32s_weights(trainer
     fp32 = {k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(src)).items()}
     saved = load_file(dst / "model.safetensors")
     dtype = torch.bfloat16 if run.precision == "bf16" else torch.float32
+    if run is TIED:  # zero_to_fp32 gives the tied head under both names; save_pretrained writes the embedding only
+        assert torch.equal(fp32.pop("lm_head.weight"), fp32["model.embed_tokens.weight"])
     assert sorted(saved) == sorted(fp32)
     assert not [k for k in fp32 if not torch.equal(saved[k], fp32[k].to(dtype))]
     model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
     with torch.no_grad():
         got = model(TOKENS).logits
-    torch.testing.assert_close(got, _hf_logits({k: v.to(dtype).float() for k, v in fp32.items()}), rtol=0, atol=0)
+    torch.testing.assert_close(got, _hf_logits({k: v.to(dtype).float() for k, v in fp32.items()}, run), rtol=0,
+                               atol=0)
 
 
-def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path):
+@pytest.mark.parametrize("run", [RUNS[0], TIED], ids=["untied", "tied"])
+def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path, run):
     """checkpoint-N -> Megatron torch_dist at TP2 with no flags (architecture from config.json, names through the
     llama table): Megatron-LM's load at TP2 (its args checks, optimizer, scheduler) restores iteration 3, Adam's step
     3, the 12 samples consumed and every fp32 master and moment the Trainer run held (padded vocabulary rows zero),
@@ -148,7 +161,7 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path)
     from migrate.workload.model_spec import ModelSpec
     from tests.megatron_lm_fixtures import MegatronLMRun, finetune_logits, load_megatron_lm, plain_state
 
-    src, reference = trainer_checkpoint(RUNS[0])
+    src, reference = trainer_checkpoint(run)
     dst = tmp_path / "megatron"
     outcome = convert(src, dst, to="megatron", tp=2)
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -158,22 +171,23 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path)
     spec = ModelSpec(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
                      ffn_hidden_size=CONFIG["intermediate_size"], num_attention_heads=CONFIG["num_attention_heads"],
                      num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB, seq_length=CONFIG["max_position_embeddings"],
-                     make_vocab_size_divisible_by=128, norm_eps=CONFIG["rms_norm_eps"], rotary_base=10000.0)
+                     make_vocab_size_divisible_by=128, norm_eps=CONFIG["rms_norm_eps"], rotary_base=10000.0,
+                     tied_embeddings=run is TIED)
     # the user's own Megatron-LM schedule from the samples consumed (--override-opt_param-scheduler)
-    run = MegatronLMRun(tp=2, model=spec, steps=3, global_batch_size=4, override_opt_param_scheduler=True)
-    loaded = load_megatron_lm(run, dst, tmp_path / "loaded")
+    megatron = MegatronLMRun(tp=2, model=spec, steps=3, global_batch_size=4, override_opt_param_scheduler=True)
+    loaded = load_megatron_lm(megatron, dst, tmp_path / "loaded")
     assert {(r["iteration"], tuple(r["adam_steps"]), r["consumed_train_samples"], r["rng_loaded"])
             for r in loaded} == {(3, (3.0,), 12, False)}  # 3 steps of 2 processes x micro batch 2; no RNG crosses
     got = plain_state(tmp_path / "loaded")
     want = megatron_layout(reference["state"], heads=CONFIG["num_attention_heads"],
-                           groups=CONFIG["num_key_value_heads"])
-    assert len(want) == 3 * 9 and set(want) <= set(got)
+                           groups=CONFIG["num_key_value_heads"], tied=run is TIED)
+    assert len(want) == 3 * (8 if run is TIED else 9) and set(want) <= set(got)
     rows = {k: got[k][:VOCAB] if k.endswith(("word_embeddings.weight", "output_layer.weight")) else got[k] for k in want}
     assert not _unequal(want, rows)
     assert all(not got[k][VOCAB:].any() for k in want if k.endswith(("word_embeddings.weight", "output_layer.weight")))
-    logits = finetune_logits(run, dst, TOKENS)
+    logits = finetune_logits(megatron, dst, TOKENS)
     assert logits.shape[-1] == 256  # 97 rows padded to a multiple of 128 * tp
-    want = _hf_logits(get_fp32_state_dict_from_zero_checkpoint(str(src)))
+    want = _hf_logits(get_fp32_state_dict_from_zero_checkpoint(str(src)), run)
     torch.testing.assert_close(logits[..., :VOCAB], want, rtol=1e-4, atol=1e-4)
     assert torch.equal(logits[..., VOCAB:], torch.zeros_like(logits[..., VOCAB:]))
 
