@@ -39,6 +39,7 @@ class TrainerRun:
     precision: str = "fp32"  # fp32 | bf16
     steps: int = 3
     config: str = ""  # the model's config.json text (default: CONFIG's LlamaForCausalLM)
+    trainer_scheduler: bool = False  # the Trainer's own LR scheduler (saved as scheduler.pt), not DeepSpeed's WarmupLR
 
     @property
     def name(self) -> str:
@@ -47,13 +48,15 @@ class TrainerRun:
 
 def _ds_config(run: TrainerRun) -> dict[str, Any]:
     """What an HF-Trainer user's ds_config.json holds: "auto" values the Trainer fills in from its arguments."""
-    return {"zero_optimization": {"stage": run.zero_stage}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto", "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                                                         "warmup_num_steps": "auto"}},
-            "bf16": {"enabled": run.precision == "bf16"}, "zero_allow_untested_optimizer": True}
+    config = {"zero_optimization": {"stage": run.zero_stage}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto", "torch_adam": True}},
+              "bf16": {"enabled": run.precision == "bf16"}, "zero_allow_untested_optimizer": True}
+    if not run.trainer_scheduler:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto"}}
+    return config
 
 
 class _Data(torch.utils.data.Dataset):
@@ -103,8 +106,10 @@ def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if mode == "resume" and not seen:
                 engine = trainer.model_wrapped
+                # DeepSpeed's (last_batch_iteration) or the Trainer's torch scheduler (last_epoch; accelerate wraps it)
+                scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
                 seen.update(state=_gathered(model, engine), global_step=state.global_step,
-                            scheduler=engine.lr_scheduler.last_batch_iteration,
+                            scheduler=getattr(scheduler, "last_batch_iteration", getattr(scheduler, "last_epoch", None)),
                             adam_steps=sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values()
                                                if "step" in s}))
 

@@ -23,7 +23,7 @@ from tests.hf_trainer_fixtures import CONFIG, SEQ, VOCAB, TrainerRun, save_train
 pytestmark = pytest.mark.slow
 
 TIED_CONFIG = {"model_type": "llama", **CONFIG, "tie_word_embeddings": True}  # as Llama-3.2-1B and Qwen2.5-0.5B
-RUNS = [TrainerRun(), TrainerRun(zero_stage=2, precision="bf16")]
+RUNS = [TrainerRun(), TrainerRun(zero_stage=2, precision="bf16", trainer_scheduler=True)]
 TIED = TrainerRun(config=json.dumps(TIED_CONFIG))
 
 
@@ -50,6 +50,7 @@ def _unequal(want: dict, got: dict) -> list:
 
 
 RESUMES = [(RUNS[0], 3), (RUNS[1], 2), (RUNS[0], 2)]  # (source run, ZeRO stage of the resumed run)
+# ZeRO-3 fp32 with DeepSpeed's WarmupLR; ZeRO-2 bf16 with the Trainer's own (torch) scheduler, which DeepSpeed holds
 
 
 @pytest.mark.parametrize("run,stage", RESUMES, ids=[f"{r.name}-to-z{s}" for r, s in RESUMES])
@@ -70,7 +71,9 @@ def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint
     # them alike)
     assert [d["policy"] for d in outcome.plan.target.index.meta["trainer_rng"]] == ["carry", "carry", "replicate"]
     got = trainer_resume(dataclasses.replace(run, zero_stage=stage), dst, 3, tmp_path / "resumed")
-    assert (got["global_step"], got["scheduler"], got["adam_steps"]) == (3, 2, [3.0])
+    # DeepSpeed's WarmupLR counts from -1, the Trainer's own (torch) scheduler from 0
+    assert (got["global_step"], got["scheduler"], got["adam_steps"]) == (3, 3 if run.trainer_scheduler else 2, [3.0])
+    assert (dst / "scheduler.pt").is_file() == (src / "scheduler.pt").is_file()  # DeepSpeed keeps either in its own
     assert not _unequal(reference["state"], got["state"])
     assert len(got["loss"]) == 4 and all(torch.isfinite(torch.tensor(got["loss"])))
 

@@ -68,8 +68,10 @@ def _shard_size(text: str | None) -> int | str | None:
               help="--to dcp: FSDP2's nested model/optimizer state (default) or torchtitan's CheckpointManager layout "
                    "(model keys at the top level, flattened optimizer state, train_state)")
 @click.option("--param-names", type=click.Choice(["canonical", "hf", "torchtitan"]), default=None,
-              help="--to dcp: the parameter-name convention written (default: the source's): transformers' module "
-                   "names, torchtitan's Llama names (wq/wk rows in its RoPE order) or the built-in decoder's")
+              help="--to dcp or deepspeed: the parameter-name convention written (default: the source's): "
+                   "transformers' module names (deepspeed: in the model class's parameter order, a Trainer "
+                   "checkpoint-N folder), torchtitan's Llama names (dcp; wq/wk rows in its RoPE order) or the "
+                   "built-in decoder's")
 @click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="the architecture when the source does not record it, or to override what it records (each "
                    "overridden field is named): an HF config.json (llama/mixtral/starcoder2 keys) or a job YAML (its "
