@@ -100,8 +100,9 @@ def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, z
     if param_names is not None and param_names not in NAMINGS:
         raise PlanError(f"--param-names {param_names!r}: known conventions are {', '.join(NAMINGS)}")
     if param_names is not None and spec.names != "any":
-        raise PlanError(f"--param-names {param_names}: {to} targets {'map canonical names themselves' if spec.names == 'canonical' else 'keep the source module names (their flat buffers follow its parameter order)'}; "
-                        f"formats keyed by names: {', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
+        why = "map canonical names themselves" if spec.names == "canonical" else "keep the source's module names"
+        raise PlanError(f"--param-names {param_names}: {to} targets {why}; formats that take --param-names: "
+                        f"{', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
     index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
     target = spec.target(index, opts)
     writer = spec.writer

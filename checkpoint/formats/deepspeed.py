@@ -749,7 +749,10 @@ def module_order(source: CheckpointIndex, naming: str) -> tuple[list[str], dict[
                         f"parameter order of the model it is loaded into must be known)")
     import transformers
 
-    embed = next(e.shape for e in source.entries if e.key.name == "model.embed_tokens.weight")
+    embed = next((e.shape for e in source.entries if e.key.name == "model.embed_tokens.weight"), None)
+    if embed is None:
+        raise PlanError(f"source {source.root} ({source.format}) has no embedding (model.embed_tokens.weight): not a "
+                        f"decoder a transformers model class holds")
     dtype = str(source.meta.get("dtype", "float32"))
     config, _ = target_config(source, None, vocab_rows=embed[0], dtype=dtype)
     fields = {k: v for k, v in config.items() if k != "model_type"}
@@ -769,7 +772,8 @@ def in_module_order(source: CheckpointIndex, m: Mapping[str, Any]) -> dict[str, 
     have = [n for g in m["param_groups"] for n, _ in g]
     if sorted(order) != sorted(have):
         raise PlanError(f"the {naming} model's parameters and the checkpoint's differ: only the model has "
-                        f"{sorted(set(order) - set(have))[:4]}, only the checkpoint {sorted(set(have) - set(order))[:4]}")
+                        f"{sorted(set(order) - set(have))[:4]}, only the checkpoint "
+                        f"{sorted(set(have) - set(order))[:4]}")
     rank = {n: i for i, n in enumerate(order)}
     out = dict(m)
     out["param_groups"] = [sorted(g, key=lambda p: rank[p[0]]) for g in m["param_groups"]]
