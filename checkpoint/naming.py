@@ -36,10 +36,10 @@ def source_naming(index: CheckpointIndex, arch: str | None = None) -> tuple[str,
     if arch is not None:
         return arch, naming_of(names, arch)
     found = architectures_of(names)
-    if not found:
-        # name the closest table's misfit: the llama table's, the family most checkpoints are
-        naming_of(names, "llama")
-    return found[0]
+    if found:
+        return found[0]
+    # no table knows every name: the llama table's error names the first misfit (the family most checkpoints are)
+    return "llama", naming_of(names, "llama")
 
 
 HeadsFn = Callable[[], tuple[int, int]]
@@ -56,10 +56,11 @@ def renamed(index: CheckpointIndex, *, arch: str, src: Naming, dst: Naming, head
     counts: tuple[int, int] | None = None
     entries = []
     for e in index.entries:
-        name = rename(e.key.name, arch, src=src, dst=dst)
-        chunks = e.chunks
         row = find_row(e.key.name, arch, src)
-        if permute and row is not None and row[0].rope and e.key.kind is not Kind.STEP:
+        name = (_in_naming(e.key.name, row, arch, src, dst) if row is not None
+                else rename(e.key.name, arch, src=src, dst=dst))  # a name the table lacks: its error
+        chunks = e.chunks
+        if permute and row[0].rope and e.key.kind is not Kind.STEP:
             if counts is None:
                 if heads is None:
                     raise CheckpointFormatError(f"{e.key.name}: the RoPE row order of torchtitan's wq/wk needs the "
@@ -73,9 +74,18 @@ def renamed(index: CheckpointIndex, *, arch: str, src: Naming, dst: Naming, head
                                                                    "source_param_naming": src})
 
 
+def _in_naming(name: str, found: tuple[Any, dict[str, str]], arch: str, src: Naming, dst: Naming) -> str:
+    """The `dst` name of `name`, from its `find_row` match (row and fields) without matching it again; rename's
+    error when the `dst` convention has no such tensor."""
+    row, fields = found
+    template = getattr(row, dst)
+    return template.format(**fields) if template is not None else rename(name, arch, src=src, dst=dst)
+
+
 def _rename_known(name: str, arch: str, src: Naming, dst: Naming) -> str:
     """Meta lists may hold buffers beside parameters: a name the table lacks stays as it is there."""
-    return rename(name, arch, src=src, dst=dst) if find_row(name, arch, src) is not None else name
+    found = find_row(name, arch, src)
+    return name if found is None else _in_naming(name, found, arch, src, dst)
 
 
 def _renamed_meta(meta: Mapping[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
                                      refuse_tied_embeddings, scalar)
-from checkpoint.formats.hf_trainer import is_trainer_folder, new_trainer_state, read_trainer_files, trainer_files
+from checkpoint.formats.hf_trainer import (is_trainer_folder, new_trainer_state, read_trainer_files, trainer_files,
+                                          trainer_rng)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
@@ -627,7 +628,7 @@ class DeepSpeedWriter:
         processes, beside the engine's."""
         if not meta.get("hf_trainer"):
             return {}
-        return trainer_files(meta["hf_trainer"], world_size=meta["dp"])[0]
+        return trainer_files(meta["hf_trainer"], world_size=meta["dp"])
 
 
 def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> TargetSpec:
@@ -721,7 +722,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             "optimizer_flavor": flavor,
             "has_step": has_step, "derived_step": step, "writer_in_memory": step is not None}
     if m.get("hf_trainer"):
-        meta["trainer_rng"] = trainer_files(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
+        meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
     files = [TargetFile(path="latest", role="latest", rank=None)]
     if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))

@@ -118,24 +118,30 @@ def _saved(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def trainer_files(trainer: Mapping[str, Any], *, world_size: int) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
-    """The Trainer's files for a run of `world_size` processes and the RNG decision per process."""
+def trainer_rng(trainer: Mapping[str, Any], *, world_size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each of `world_size` processes' RNG state and the decision that gave it (`plan_rng`); empty when the source
+    holds no RNG file."""
+    sources = list(trainer.get("rng") or [])
+    if not sources:
+        return [], []
+    step = int(trainer["trainer_state"].get("global_step") or 0)
+    states, made = plan_rng(sources, roles(dp=len(sources)), roles(dp=world_size), seed=0, step=step)
+    return states, [d.as_dict() for d in made]
+
+
+def trainer_files(trainer: Mapping[str, Any], *, world_size: int) -> dict[str, bytes]:
+    """The Trainer's files for a run of `world_size` processes."""
     out: dict[str, bytes] = {}
     for name, key in ((CONFIG, "hf_config"), (GENERATION_CONFIG, "generation_config")):
         if trainer.get(key) is not None:
             out[name] = (json.dumps(trainer[key], indent=2, sort_keys=True) + "\n").encode()
     if trainer.get("scheduler") is not None:
         out[SCHEDULER] = _saved(trainer["scheduler"])
-    decisions: list[dict[str, Any]] = []
-    sources = list(trainer.get("rng") or [])
-    if sources:
-        step = int(trainer["trainer_state"].get("global_step") or 0)
-        states, made = plan_rng(sources, roles(dp=len(sources)), roles(dp=world_size), seed=0, step=step)
-        first = sources[0]
-        for r, state in enumerate(states):
-            name = "rng_state.pth" if world_size == 1 else f"rng_state_{r}.pth"
-            out[name] = _saved(rng_to_trainer(state, device_key=first.get("device_key"),
-                                              device_list=bool(first.get("device_list"))))
-        decisions = [d.as_dict() for d in made]
+    states, _ = trainer_rng(trainer, world_size=world_size)
+    first = (trainer.get("rng") or [{}])[0]  # the source's device generators: their key and form
+    for r, state in enumerate(states):
+        name = "rng_state.pth" if world_size == 1 else f"rng_state_{r}.pth"
+        out[name] = _saved(rng_to_trainer(state, device_key=first.get("device_key"),
+                                          device_list=bool(first.get("device_list"))))
     out[TRAINER_STATE] = (json.dumps(trainer["trainer_state"], indent=2, sort_keys=True) + "\n").encode()
-    return out, decisions
+    return out
