@@ -1,9 +1,9 @@
 """Per-step acceptance bands for the candidate, and where each band came from.
 
-The bands are the per-step test of the decision rule (:mod:`convergence.decision`) drawn as
-intervals: centre +- threshold x per-step noise scale, the threshold being the Bonferroni-corrected
-Student-t quantile for the steps compared. One baseline: fixed scales (``source = "fixed"``);
-two or more: scales from their spread (``"calibrated"``), never below the floors
+The bands draw the decision rule (:mod:`convergence.decision`) as intervals: where one step of a good
+run may lie about the baselines' centre (its step noise, level and wander), times the per-step test's
+Bonferroni-corrected Student-t quantile. One baseline: level and wander from the priors (``source =
+"prior"``); two or more: scales from their spread (``"calibrated"``), never below the floors
 (``"floor"``). Loss bands are additive; grad-norm bands are multiplicative (log grad norm).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convergence.decision import Decision, DecisionRule, NoiseModel, decide, describe, noise_model
+from convergence.decision import Decision, DecisionRule, NoiseModel, Priors, decide, describe, noise_model
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -33,7 +33,7 @@ class Bands:
 
     @property
     def calibrated(self) -> bool:
-        return any(s != "fixed" for s in self.source)
+        return any(s != "prior" for s in self.source)
 
     def provenance(self) -> dict[str, int]:
         """Steps per band source, e.g. {'calibrated': 57, 'floor': 3}."""
@@ -73,25 +73,32 @@ def _centre(rows: np.ndarray) -> np.ndarray:
 
 
 def judge(metric: str, steps: np.ndarray, baselines: np.ndarray, candidate: np.ndarray, rule: DecisionRule, *,
-          budget: float, fixed_step_rel: float, fixed_window_rel: float, log: bool = False) -> MetricJudgement:
+          budget: float, level_rel: float, window_rel: float, step_rel: float, warmup: int = 0, log: bool = False
+          ) -> MetricJudgement:
     """Judge `candidate` against `baselines` (runs x steps) on `steps` with the decision rule. `log`: compare
-    log values (grad norm: ratios), the bands then being multiplicative around the geometric mean."""
+    log values (grad norm: ratios), the bands then being multiplicative around the geometric mean; the priors
+    `level_rel` and `window_rel` are fractions of the baseline's level, `step_rel` of its value at each step
+    (of 1 for log values)."""
     with np.errstate(all="ignore"):
         rows = np.log(np.where(baselines > 0, baselines, np.nan)) if log else baselines
         cand = np.log(np.where(candidate > 0, candidate, np.nan)) if log else candidate
     centre = _centre(rows)
-    model = noise_model(rows, centre, rule, fixed_step_rel=fixed_step_rel, fixed_window_rel=fixed_window_rel,
-                        relative_to=np.ones_like(centre) if log else None)
+    unit = 1.0 if log else (float(np.nanmean(np.abs(centre[warmup:] if len(centre) > warmup else centre)))
+                            if np.isfinite(centre).any() else 0.0)
+    step = step_rel if log else step_rel * np.abs(np.nan_to_num(centre, nan=0.0))
+    model = noise_model(rows, centre, rule, Priors(level=level_rel * unit, window=window_rel * unit, step=step),
+                        warmup=min(warmup, max(0, len(steps) - 1)))
     residual = cand - centre
-    decisions = tuple(decide(steps, residual, model, rule, budget))
+    decisions = tuple(decide(steps, residual, model, rule, budget, warmup=min(warmup, max(0, len(steps) - 1))))
     q = decisions[0].threshold if math.isfinite(decisions[0].threshold) else 0.0
-    half = q * model.step_scale
+    smallest = min(model.wander.values(), default=0.0)
+    # one step of a good run about the centre: its step noise, its level and its wander
+    half = q * np.sqrt(model.step_scale ** 2 + model.level_scale ** 2 + model.inflate * smallest ** 2)
     with np.errstate(all="ignore"):
         floor = np.maximum(rule.floor_abs, rule.floor_rel * np.abs(np.ones_like(centre) if log else centre))
     at_floor = model.step_scale <= floor * (1 + 1e-9)
-    source = tuple("fixed" if model.source == "fixed" else ("floor" if f else "calibrated") for f in at_floor)
-    text = describe(rule, model, decisions, metric, fixed_step_rel=fixed_step_rel, fixed_window_rel=fixed_window_rel,
-                    budget=budget)
+    source = tuple("prior" if model.source == "prior" else ("floor" if f else "calibrated") for f in at_floor)
+    text = describe(rule, model, decisions, metric, budget=budget, units="log" if log else metric)
     if log:
         bands = Bands(metric=metric, steps=steps, center=np.exp(centre), lower=np.exp(centre - half),
                       upper=np.exp(centre + half), source=source, rule=text)

@@ -181,19 +181,19 @@ def _deviation_text(step: int, value: float, band: Bands, i: int) -> str:
             f"(baseline {band.center[i]:.6g}, {band.source[i]} band)")
 
 
-def check_first_step(candidate: np.ndarray, band: Bands, tol: Tolerances) -> CheckResult:
-    """The candidate's first aligned step: weights, data position and RNG reproduce the baseline."""
+def check_first_step(candidate: np.ndarray, band: Bands) -> CheckResult:
+    """The candidate's first aligned step within its band: before any update the loss depends only on the
+    weights, the data position and the RNG."""
     mask = _finite(candidate, band.center)
     if not mask.any():
         return _skip("first_step", "no finite aligned step")
     i = int(np.argmax(mask))
     step, value, ref = int(band.steps[i]), float(candidate[i]), float(band.center[i])
     rel = abs(value - ref) / max(abs(ref), 1e-12)
-    if band.calibrated:
-        ok, limit = bool(band.lower[i] <= value <= band.upper[i]), f"{band.source[i]} band [{band.lower[i]:.6g}, {band.upper[i]:.6g}]"
-    else:
-        ok, limit = rel <= tol.loss.first_step_rel, f"first_step_rel {tol.loss.first_step_rel:g}"
-    details = {"step": step, "candidate": value, "baseline": ref, "rel_error": rel}
+    ok = bool(band.lower[i] <= value <= band.upper[i])
+    limit = f"the {band.source[i]} band [{band.lower[i]:.6g}, {band.upper[i]:.6g}]"
+    details = {"step": step, "candidate": value, "baseline": ref, "rel_error": rel,
+               "band": [float(band.lower[i]), float(band.upper[i])]}
     if ok:
         return CheckResult(code="first_step", passed=True, details=details,
                            reason=f"step {step}: loss {value:.6g} vs {ref:.6g} (rel {rel:.2e}) within {limit}")
@@ -230,9 +230,10 @@ def check_band(code: str, candidate: np.ndarray, band: Bands, allowed: int, *, l
 
 
 def _excursion_text(e: Excursion, unit: str, log: bool) -> str:
-    where = f"step {e.step}" if e.window == 1 else f"the {e.window} steps to {e.step}"
-    value = f"x{math.exp(e.residual):.4g} of the baseline" if log else f"{e.residual:+.4g} {unit}"
-    return f"{where}: {value} (z {e.z:+.2f}, |z| limit {e.threshold:.2f})"
+    where = {0: "the whole run", 1: f"step {e.step}"}.get(e.window, f"the {e.window} steps to {e.step}")
+    against = {0: "the baselines", 1: "the run's running median"}.get(e.window, "the steps before them")
+    value = f"x{math.exp(e.residual):.4g}" if log else f"{e.residual:+.4g}{' ' + unit if unit else ''}"
+    return f"{where}: {value} against {against} (z {e.z:+.2f}, |z| limit {e.threshold:.2f})"
 
 
 def check_steps(code: str, judgement: MetricJudgement, allowed: int, *, unit: str = "", log: bool = False
@@ -261,8 +262,9 @@ def check_windows(code: str, judgement: MetricJudgement, *, unit: str = "", log:
     """The decision rule's sustained-drift tests: the mean residual over every window of each length within
     its threshold (Bonferroni over the independent windows of each length and over the lengths)."""
     metric = judgement.bands.metric
-    tests = [d for d in judgement.decisions[1:] if not d.skipped]
-    skipped = [d for d in judgement.decisions[1:] if d.skipped]
+    drift = [d for d in judgement.decisions if d.test.startswith("window")]
+    tests = [d for d in drift if not d.skipped]
+    skipped = [d for d in drift if d.skipped]
     details = {"tests": {d.test: {"comparisons": d.comparisons, "level": d.level, "threshold_z": d.threshold,
                                   "failures": d.failures} for d in tests},
                "skipped": {d.test: d.skipped for d in skipped}}
@@ -282,18 +284,24 @@ def check_windows(code: str, judgement: MetricJudgement, *, unit: str = "", log:
         f"per run)"))
 
 
-def check_mean_error(code: str, candidate: np.ndarray, band: Bands, rel_tol: float, warmup: int) -> CheckResult:
-    """|mean relative error| after the first ``warmup`` aligned steps."""
-    mask = _finite(candidate, band.center) & (np.abs(band.center) > 0)
-    idx = np.flatnonzero(mask)[warmup:]
-    if not len(idx):
-        return _skip(code, f"no finite {band.metric} step after {warmup} warm-up steps")
-    rel = (candidate[idx] - band.center[idx]) / np.abs(band.center[idx])
-    mean = float(np.mean(rel))
-    details = {"mean_rel_error": mean, "tolerance": rel_tol, "steps": len(idx), "warmup_steps": warmup}
-    text = (f"{band.metric} mean relative error {pct(mean)} over {len(idx)} steps after {warmup} warm-up "
-            f"steps (tolerance {rel_tol:.2%})")
-    return CheckResult(code=code, passed=abs(mean) <= rel_tol, details=details, reason=text)
+def check_level(code: str, judgement: MetricJudgement, *, log: bool = False) -> CheckResult:
+    """The decision rule's level test: the candidate's mean residual after the warm-up within the spread of
+    good runs' levels."""
+    d = next((d for d in judgement.decisions if d.test == "level"), judgement.decisions[0])
+    metric = judgement.bands.metric
+    if d.skipped:
+        return _skip(code, f"{metric}: {d.skipped}")
+    e = d.worst
+    assert e is not None
+    shown = f"x{math.exp(e.residual):.4g}" if log else f"{e.residual:+.4g}"
+    rel = (f" ({pct(e.residual / abs(float(np.nanmean(judgement.bands.center))))})"
+           if not log and np.isfinite(judgement.bands.center).any() and np.nanmean(judgement.bands.center) else "")
+    details = {"mean_residual": e.residual, "scale": e.scale, "z": e.z, "threshold_z": d.threshold,
+               "level": d.level, "scale_source": judgement.model.level_source}
+    text = (f"{metric} level over the run: {shown}{rel} against the baselines, z {e.z:+.2f} (|z| limit "
+            f"{d.threshold:.2f}, scale {e.scale:.3g} from the {judgement.model.level_source}; false-alarm level "
+            f"{d.level:.2%} per run)")
+    return CheckResult(code=code, passed=d.passed, details=details, reason=text)
 
 
 def check_lr(candidate: MetricSeries | None, baseline: MetricSeries | None, tol: Tolerances) -> CheckResult:

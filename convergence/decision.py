@@ -1,33 +1,32 @@
 """The gate's statistical rule: a false-alarm rate per run that is stated up front, whatever the run's length.
 
-Residuals are the candidate minus the baselines' centre on the aligned steps: loss differences, and for the
-gradient norm differences of log values (ratios). The run's false-alarm budget `alpha` is split between the
+The residual r_t is the candidate minus the baselines' centre on the aligned steps (loss; for the gradient
+norm, log values: ratios). A good run's residual is a level (its whole-run offset: another seed settles a
+little higher or lower), slow wander, and step-to-step noise; a fault is a step change, a drift, an outlier
+or a divergence. Each part has its own test, and the run's false-alarm budget `alpha` is split between the
 loss (`loss_share`), the gradient norm (`grad_norm_share`) and the spike-rate test (`spike_share`); each
-metric's share B between two tests:
+metric's share B between its tests:
 
-* **per step** (outliers): |r_t| / s_t beyond the two-sided Student-t quantile at level
-  `B * step_share / N`, N the number of steps compared (Bonferroni): a correct run trips it with
-  probability at most `B * step_share`, for 100 steps as for 100,000;
-* **sustained drift**: for each window of W steps (`windows`), the moving mean of r over W consecutive steps,
-  divided by its own scale, beyond the quantile at `B * (1 - step_share) / (len(windows) * ceil(N / W))`
-  (the windows of one scale overlap; ceil(N / W) of them are independent).
+* **level** (`level_share`): the mean residual after the warm-up, against the spread of good runs' levels;
+  one comparison at level `B * level_share`;
+* **per step** (`step_share`, outliers): r_t minus the residual's running median, against the per-step
+  noise, beyond the two-sided Student-t quantile at level `B * step_share / N` for N steps (Bonferroni): a
+  correct run trips it with probability at most `B * step_share`, for 100 steps as for 100,000;
+* **drift** (the rest, split over the window lengths `windows`): the mean residual over each window of W
+  steps minus its mean over every step before the window (a change inside the run, which cancels the run's
+  level), against the noise of that difference, beyond the quantile at the window's share divided by the
+  ceil(N / W) independent windows.
 
-Noise has heavier tails than a normal distribution (loss spikes): the quantiles are Student-t with the
-smaller of the scales' degrees of freedom and the tail's, estimated from the kurtosis of the baselines'
-standardized deviations (two or more baselines) or of one baseline's step-to-step changes.
-
-Scales (`NoiseModel`), with two or more baselines: s_t from the baselines' deviations from their mean at
-each step, pooled over `pool` steps around it (each step gives n - 1 degrees of freedom, fewer when
-neighbours correlate) and scaled by sqrt(1 + 1/n) for a candidate compared with an n-run mean; the window
-scale from the baselines' own W-step moving means of those deviations, so noise that persists over many
-steps (seed-to-seed differences do) widens the window test exactly as much as it should, and at least what
-the per-step noise gives through its lag-1 correlation (AR(1)). Where the run holds too few independent
-windows to measure persistent noise (fewer than `MIN_WINDOW_DOF` degrees of freedom), the documented
-one-baseline window scale stands in as its floor. Both are floored (`floor_abs`, `floor_rel`), so
-bit-identical baselines do not demand a bit-identical candidate. With one baseline there is no noise to
-measure: fixed relative scales stand in (`fixed_step_rel`, `fixed_window_rel`, documented defaults from
-published migration practice), and the stated rate holds only as far as they match the real noise.
-Pure functions over NumPy arrays; `scripts/bench_gate.py` measures the operating characteristics.
+Noise (`NoiseModel`). Per-step noise is always measured: from the baselines' deviations from their centre
+(two or more, each high-pass filtered by its running median), or from one baseline's own step-to-step
+roughness (the candidate has as much again). Level and wander cannot be measured from one run: documented
+priors stand in (`level_rel`, `window_rel` of the tolerances: published migration practice and the
+seed-to-seed spread of the built-in workloads), never above `prior_noise_ratio` times the measured per-step
+noise (runs that agree to 1e-7 per step do not differ by 0.5 % in level). With two or more baselines the
+measured level spread and wander are pooled with the priors, which weigh as `prior_dof` runs or windows, so
+many baselines or long runs let the measurement win. Tails: Student-t with the degrees of freedom of the
+noise's kurtosis. Every scale is floored (`floor_abs`, `floor_rel`). Pure functions over NumPy arrays;
+`scripts/bench_gate.py` measures the operating characteristics.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
+from scipy import ndimage, stats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,11 +50,21 @@ class DecisionRule:
     spike_share: float = 0.15
     """Shares of `alpha` for the loss tests, the gradient-norm tests and the spike-rate test (sum <= 1)."""
     step_share: float = 0.3
-    """Share of a metric's budget spent on its per-step test; the rest goes to its window tests."""
-    windows: tuple[int, ...] = (10, 50, 200)
-    """Window lengths (steps) of the sustained-drift tests; windows longer than the run are skipped."""
+    level_share: float = 0.2
+    """Shares of a metric's budget for its per-step and level tests; the rest goes to its drift tests."""
+    windows: tuple[int, ...] = (20, 50, 200)
+    """Window lengths (steps) of the drift tests."""
+    min_reference: int = 50
+    """Steps a drift window needs before it (at least its own length too), so the reference is a level."""
     pool: int = 100
-    """Steps around each step whose baseline deviations are pooled into its per-step scale."""
+    """Steps around each step whose noise is pooled into its per-step scale."""
+    smooth: int = 21
+    """Width (steps) of the running median that separates step-to-step noise from the slower residual."""
+    prior_dof: float = 8.0
+    """Weight of the level and wander priors, in baselines (level) or windows (wander), against the
+    spread measured from two or more baselines."""
+    prior_noise_ratio: float = 2.0
+    """The priors never exceed this multiple of the measured per-step noise."""
     floor_abs: float = 1e-6
     floor_rel: float = 1e-5
     """Scale floors, absolute and relative to |centre| (bit-identical baselines still leave room)."""
@@ -63,39 +72,67 @@ class DecisionRule:
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
             raise ValueError(f"rule.alpha must be in (0, 1), got {self.alpha}")
-        if not 0 < self.step_share < 1:
-            raise ValueError(f"rule.step_share must be in (0, 1), got {self.step_share}")
+        if not (0 < self.step_share < 1 and 0 < self.level_share < 1 and self.step_share + self.level_share < 1):
+            raise ValueError(f"rule.step_share and rule.level_share must be in (0, 1) with a sum < 1, got "
+                             f"{self.step_share} + {self.level_share}")
         shares = (self.loss_share, self.grad_norm_share, self.spike_share)
         if min(shares) < 0 or sum(shares) > 1 + 1e-9:
             raise ValueError(f"rule.loss_share + grad_norm_share + spike_share must be shares summing to <= 1, got "
                              f"{' + '.join(f'{x:g}' for x in shares)} = {sum(shares):g}")
         if not self.windows or any(w < 2 for w in self.windows):
             raise ValueError(f"rule.windows must be window lengths >= 2, got {list(self.windows)}")
-        if self.pool < 1 or self.floor_abs < 0 or self.floor_rel < 0:
-            raise ValueError(f"rule.pool must be >= 1 and the floors >= 0, got pool={self.pool} "
-                             f"floor_abs={self.floor_abs} floor_rel={self.floor_rel}")
+        if self.min_reference < 1 or self.pool < 1 or self.smooth < 3 or self.floor_abs < 0 or self.floor_rel < 0:
+            raise ValueError(f"rule.pool must be >= 1, rule.smooth >= 3 and the floors >= 0, got pool={self.pool} "
+                             f"smooth={self.smooth} floor_abs={self.floor_abs} floor_rel={self.floor_rel}")
+        if self.prior_dof <= 0 or self.prior_noise_ratio <= 0:
+            raise ValueError(f"rule.prior_dof and rule.prior_noise_ratio must be > 0, got {self.prior_dof} and "
+                             f"{self.prior_noise_ratio}")
+
+    @property
+    def drift_share(self) -> float:
+        return 1.0 - self.step_share - self.level_share
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Priors:
+    """One metric's documented noise where the baselines cannot measure it, in the metric's units."""
+
+    level: float
+    """Standard deviation of one good run's level (whole-run mean) about the true centre."""
+    window: float
+    """Standard deviation of one good run's wander: a window mean about the run's own level."""
+    step: float | np.ndarray = 0.0
+    """One baseline: the least step noise the residual is given (per step or for all), so that a stretch where
+    the baseline alone looks smooth (a steep start) does not demand a candidate equal to it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class NoiseModel:
-    """Per-step scale, window scales per window length, degrees of freedom and where they came from."""
+    """The residual's noise: per step (after the running median), its level, its wander per window length.
+    Every scale is that of the residual (candidate minus centre), so the centre's own noise is included."""
 
     step_scale: np.ndarray
-    window_scales: dict[int, np.ndarray]
+    phi: float
+    """Lag-1 autocorrelation of the step-to-step noise."""
+    level_scale: float
+    wander: dict[int, float]
+    """Standard deviation of one run's wander in a mean over each window length."""
     step_dof: float
-    window_dof: dict[int, float]
-    source: str  # "calibrated" (from n >= 2 baselines) or "fixed"
+    source: str  # "calibrated" (from n >= 2 baselines) or "prior" (one baseline: level and wander assumed)
     baselines: int
+    level_source: str
+    inflate: float
+    """Variance of the residual over one run's: 1 + 1/n against n baselines, 2 against one."""
     tail_dof: float = math.inf  # the noise's own tail (Student-t dof from its kurtosis)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Excursion:
-    """One standardized residual beyond its threshold (a step, or a window ending at `step`)."""
+    """One standardized statistic beyond its threshold (a step, the level, or a window ending at `step`)."""
 
     step: int
-    window: int  # 1 for the per-step test
-    residual: float  # the mean residual over the window (metric units: loss, or log grad norm)
+    window: int  # 1 for the per-step test, 0 for the level test
+    residual: float  # the statistic in metric units: loss, or log grad norm
     scale: float
     z: float
     threshold: float
@@ -105,7 +142,7 @@ class Excursion:
 class Decision:
     """The outcome of one test: comparisons made, the level spent, the excursions found."""
 
-    test: str  # "step" or f"window{W}"
+    test: str  # "step", "level" or f"window{W}"
     comparisons: int
     level: float  # the false-alarm probability this test spends per run
     threshold: float
@@ -146,8 +183,20 @@ def _pooled(sq: np.ndarray, width: int) -> np.ndarray:
         return np.where(k[hi] - k[lo] > 0, (c[hi] - c[lo]) / np.maximum(k[hi] - k[lo], 1), np.nan)
 
 
+def running_median(x: np.ndarray, width: int) -> np.ndarray:
+    """Centred running median over `width` steps (NaN steps are bridged by interpolation first)."""
+    finite = np.isfinite(x)
+    if not finite.any():
+        return np.full_like(x, np.nan, dtype=float)
+    idx = np.arange(len(x))
+    filled = np.interp(idx, idx[finite], x[finite]) if not finite.all() else x.astype(float)
+    return ndimage.median_filter(filled, size=min(width, len(x)) | 1, mode="nearest")
+
+
+WANDER_PHI = 0.99
+"""Wander is modelled as a slow AR(1) with this lag-1 correlation (a time constant of 100 steps): the prior's
+variance for a mean over L steps is `window`^2 x ar1_window_factor(WANDER_PHI, L)."""
 MIN_TAIL_POINTS = 40
-MIN_WINDOW_DOF = 8  # independent windows x (baselines - 1) below which window noise is not measured but assumed
 DEFAULT_TAIL_DOF = 8.0  # too few points to tell: moderately heavy tails, as loss noise has
 
 
@@ -165,57 +214,8 @@ def tail_dof(values: np.ndarray) -> float:
     return float(np.clip(4 + 6 / k, 4.1, 100.0)) if k > 0.06 else 100.0
 
 
-def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, *, fixed_step_rel: float,
-                fixed_window_rel: float, relative_to: np.ndarray | None = None) -> NoiseModel:
-    """Scales for residuals against `centre` (the baselines' mean) from `baselines` (runs x steps); with one
-    baseline the fixed fractions of |`relative_to`| (default |centre|; for log grad norms pass ones)."""
-    n, steps = baselines.shape
-    ref = np.abs(centre if relative_to is None else relative_to)
-    floor = np.maximum(rule.floor_abs, rule.floor_rel * np.nan_to_num(ref, nan=0.0))
-    windows = [w for w in rule.windows if w <= steps]
-    if n < 2:
-        step_scale = np.maximum(fixed_step_rel * np.nan_to_num(ref, nan=0.0), floor)
-        return NoiseModel(step_scale=step_scale, source="fixed", baselines=n, step_dof=math.inf,
-                          tail_dof=tail_dof(np.diff(baselines[0])) if n else DEFAULT_TAIL_DOF,
-                          window_scales={w: np.maximum(fixed_window_rel * np.nan_to_num(_moving_mean(ref, w), nan=0.0),
-                                                       floor[w - 1:]) for w in windows},
-                          window_dof={w: math.inf for w in windows})
-    dev = baselines - centre
-    inflate = 1.0 + 1.0 / n  # a candidate against the mean of n runs
-    with np.errstate(invalid="ignore"):
-        per_step = np.nansum(dev ** 2, axis=0) / (n - 1)
-    per_step = np.where(np.isfinite(dev).sum(axis=0) >= 2, per_step, np.nan)
-    pooled = _pooled(per_step, rule.pool)
-    step_scale = np.sqrt(np.maximum(np.nan_to_num(pooled * inflate, nan=0.0), floor ** 2))
-    phi = _lag1(dev)
-    # correlated neighbours carry less information: AR(1)'s effective sample size of the pooled window
-    step_dof = max(1.0, (n - 1) * min(rule.pool, steps) * (1 - phi) / (1 + phi))
-    window_scales, window_dof = {}, {}
-    for w in windows:
-        means = np.stack([_moving_mean(d, w) for d in dev])  # each baseline's window means of its deviation
-        with np.errstate(invalid="ignore"):
-            empirical = np.nanmean(np.nansum(means ** 2, axis=0) / (n - 1))  # pooled over every window position
-        dof_empirical = max(1.0, (n - 1) * math.floor(steps / w))
-        # short-memory noise seen through the per-step scale and its lag-1 correlation (many more degrees of
-        # freedom); the empirical variance of the window means wins where the noise persists longer than AR(1)
-        ar = _moving_mean(np.nan_to_num(pooled, nan=0.0), w) * ar1_window_factor(phi, w)
-        emp = float(np.nan_to_num(empirical, nan=0.0))
-        if dof_empirical >= MIN_WINDOW_DOF:
-            var = np.maximum(emp, ar)
-            window_dof[w] = dof_empirical if np.nanmedian(ar) < emp else step_dof
-        else:  # too few windows to measure persistent noise: the documented one-baseline scale is its prior
-            prior = (fixed_window_rel * np.nan_to_num(_moving_mean(ref, w), nan=0.0)) ** 2
-            var = np.maximum(np.maximum(emp, ar), prior)
-            window_dof[w] = step_dof
-        window_scales[w] = np.sqrt(np.maximum(var * inflate, floor[w - 1:] ** 2))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        standardized = (dev / np.sqrt(np.maximum(pooled, floor ** 2) * (n - 1) / n)).ravel()
-    return NoiseModel(step_scale=step_scale, window_scales=window_scales, step_dof=step_dof, window_dof=window_dof,
-                      source="calibrated", baselines=n, tail_dof=tail_dof(standardized))
-
-
 def _lag1(dev: np.ndarray) -> float:
-    """Lag-1 autocorrelation of the baselines' deviations, pooled over runs and steps (clipped to [0, 0.99])."""
+    """Lag-1 autocorrelation of deviations (runs x steps), pooled over runs and steps (clipped to [0, 0.99])."""
     x0, x1 = dev[:, :-1], dev[:, 1:]
     ok = np.isfinite(x0) & np.isfinite(x1)
     if ok.sum() < 3:
@@ -224,12 +224,78 @@ def _lag1(dev: np.ndarray) -> float:
     return float(np.clip(np.sum(x0[ok] * x1[ok]) / den, 0.0, 0.99)) if den > 0 else 0.0
 
 
-def ar1_window_factor(phi: float, w: int) -> float:
-    """Var(mean of w consecutive values) / Var(one value) for an AR(1) process with lag-1 correlation phi."""
+def ar1_window_factor(phi: float, w: int | np.ndarray) -> float | np.ndarray:
+    """Var(mean of w consecutive values) / Var(one value) for an AR(1) process with lag-1 correlation phi
+    (closed form; `w` may be an array)."""
+    w = np.maximum(np.asarray(w, dtype=float), 1.0)
     if phi <= 0:
-        return 1.0 / w
-    k = np.arange(1, w)
-    return float((1 + 2 * np.sum((1 - k / w) * phi ** k)) / w)
+        out = 1.0 / w
+    else:
+        out = ((1 + phi) / (1 - phi) - 2 * phi * (1 - phi ** w) / (w * (1 - phi) ** 2)) / w
+    return float(out) if out.ndim == 0 else out
+
+
+def _pool_prior(prior_var: float, prior_dof: float, measured_var: float, measured_dof: float) -> float:
+    """The prior and the measurement, each weighted by its degrees of freedom (a scaled inverse-chi2 update)."""
+    return (prior_dof * prior_var + measured_dof * measured_var) / (prior_dof + measured_dof)
+
+
+def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, priors: Priors, *,
+                warmup: int = 0) -> NoiseModel:
+    """The residual's noise for a candidate compared with `centre`, the mean of `baselines` (runs x steps).
+    `priors` are in the metric's units (the caller scales relative priors by the baseline's level)."""
+    n, steps = baselines.shape
+    ref = float(np.nanmean(np.abs(centre))) if np.isfinite(centre).any() else 0.0
+    floor = max(rule.floor_abs, rule.floor_rel * ref)
+    windows = sorted(w for w in rule.windows if w + max(w, rule.min_reference) <= steps)
+    if n >= 2:
+        dev = baselines - centre
+        high = np.stack([d - running_median(d, rule.smooth) for d in dev])
+        with np.errstate(invalid="ignore"):
+            var_t = np.nansum(high ** 2, axis=0) / (n - 1)  # one run's step noise about the centre
+        inflate = 1.0 + 1.0 / n  # the candidate's own noise plus the centre's
+    else:
+        dev = None
+        high = baselines - np.stack([running_median(b, rule.smooth) for b in baselines])
+        var_t = high[0] ** 2
+        inflate = 2.0  # the candidate is as noisy as the baseline, and nothing averages the baseline's out
+    pooled = np.nan_to_num(_pooled(var_t, rule.pool), nan=0.0)
+    if n < 2:
+        pooled = np.maximum(pooled, np.broadcast_to(np.nan_to_num(priors.step, nan=0.0), pooled.shape) ** 2 / inflate)
+    step_scale = np.sqrt(np.maximum(pooled * inflate, floor ** 2))
+    phi = _lag1(high)
+    step_dof = max(1.0, max(1, n - 1) * min(rule.pool, steps) * (1 - phi) / (1 + phi))
+    run_var = float(np.mean(pooled[warmup:])) if steps > warmup else float(np.mean(pooled))
+    cap = rule.prior_noise_ratio ** 2 * run_var  # priors never above this multiple of the measured noise
+    level_prior = min(priors.level ** 2, cap)
+    wander_prior = min(priors.window ** 2, cap)
+    within = run_var * ar1_window_factor(phi, max(1, steps - warmup))  # the level's own step noise
+    if dev is not None:
+        levels = np.nanmean(dev[:, warmup:], axis=1) if steps > warmup else np.nanmean(dev, axis=1)
+        spread = float(np.sum(levels ** 2) / (n - 1))
+        level_var = _pool_prior(level_prior, rule.prior_dof, max(0.0, spread - within), n - 1)
+        level_source = f"{n} baselines' levels pooled with the prior"
+    else:
+        level_var = level_prior
+        level_source = "prior (one baseline)"
+    level_scale = math.sqrt(max((level_var + within) * inflate, floor ** 2))
+    wander: dict[int, float] = {}
+    for w in windows:
+        if dev is not None:
+            body = dev[:, warmup:] - np.nanmean(dev[:, warmup:], axis=1, keepdims=True)
+            blocks = body.shape[1] // w
+            means = np.nanmean(body[:, :blocks * w].reshape(n, blocks, w), axis=2) if blocks else np.zeros((n, 0))
+            measured = float(np.nansum(means ** 2) / ((n - 1) * max(blocks, 1)))
+            excess = max(0.0, measured - run_var * ar1_window_factor(phi, w))
+            prior_w = wander_prior * ar1_window_factor(WANDER_PHI, w)
+            wander[w] = math.sqrt(_pool_prior(prior_w, rule.prior_dof, excess, (n - 1) * blocks))
+        else:
+            wander[w] = math.sqrt(wander_prior * ar1_window_factor(WANDER_PHI, w))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        standardized = (high / np.sqrt(np.maximum(pooled, floor ** 2))).ravel()
+    return NoiseModel(step_scale=step_scale, phi=phi, level_scale=level_scale, wander=wander, step_dof=step_dof,
+                      source="calibrated" if n >= 2 else "prior", baselines=n, level_source=level_source,
+                      inflate=inflate, tail_dof=tail_dof(standardized))
 
 
 def quantile(level: float, dof: float) -> float:
@@ -240,45 +306,85 @@ def quantile(level: float, dof: float) -> float:
     return float(stats.t.isf(level / 2, dof))
 
 
+def _cumulative(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    finite = np.isfinite(x)
+    return (np.concatenate([[0.0], np.cumsum(np.where(finite, x, 0.0))]),
+            np.concatenate([[0], np.cumsum(finite)]))
+
+
 def decide(steps: np.ndarray, residual: np.ndarray, model: NoiseModel, rule: DecisionRule, budget: float,
-           *, limit: int = 8) -> list[Decision]:
-    """The per-step test and one window test per window length over the finite residuals, spending `budget`
-    (this metric's share of the run's false-alarm rate) between them (pure)."""
+           *, warmup: int = 0, limit: int = 8) -> list[Decision]:
+    """The per-step, level and drift tests over the finite residuals, spending `budget` (this metric's share
+    of the run's false-alarm rate) between them (pure)."""
     finite = np.isfinite(residual)
     n = int(finite.sum())
-    out: list[Decision] = []
     step_level = budget * rule.step_share
     if n == 0:
         return [Decision(test="step", comparisons=0, level=step_level, threshold=math.nan,
                          skipped="no finite residual")]
-    q = quantile(step_level / n, min(model.step_dof, model.tail_dof))
-    z = np.where(finite, residual / model.step_scale, 0.0)
+    tail = min(model.step_dof, model.tail_dof)
+    out: list[Decision] = []
+    q = quantile(step_level / n, tail)
+    local = running_median(residual, rule.smooth)
+    z = np.where(finite, (residual - local) / model.step_scale, 0.0)
     bad = np.flatnonzero(np.abs(z) > q)
-    exc = [Excursion(step=int(steps[i]), window=1, residual=float(residual[i]), scale=float(model.step_scale[i]),
-                     z=float(z[i]), threshold=q) for i in bad]
-    worst = max(exc, key=lambda e: abs(e.z)) if exc else None
+    exc = [Excursion(step=int(steps[i]), window=1, residual=float(residual[i] - local[i]),
+                     scale=float(model.step_scale[i]), z=float(z[i]), threshold=q) for i in bad]
     out.append(Decision(test="step", comparisons=n, level=step_level, threshold=q, failures=len(exc),
-                        excursions=tuple(exc[:limit]), worst=worst))
-    windows = sorted(model.window_scales)
-    window_level = budget * (1 - rule.step_share)
+                        excursions=tuple(exc[:limit]), worst=max(exc, key=lambda e: abs(e.z)) if exc else None))
+
+    body = residual[warmup:] if len(residual) > warmup else residual
+    level_level = budget * rule.level_share
+    ql = quantile(level_level, math.inf)
+    mean = float(np.nanmean(body)) if np.isfinite(body).any() else 0.0
+    zl = mean / model.level_scale
+    lexc = Excursion(step=int(steps[-1]), window=0, residual=mean, scale=model.level_scale, z=zl, threshold=ql)
+    out.append(Decision(test="level", comparisons=1, level=level_level, threshold=ql, failures=int(abs(zl) > ql),
+                        excursions=(lexc,) if abs(zl) > ql else (), worst=lexc))
+
+    windows = [w for w in rule.windows if w in model.wander]
+    drift_level = budget * rule.drift_share / max(1, len(windows))
+    var_step = model.step_scale ** 2
+    c, k = _cumulative(residual)
+    cv, _ = _cumulative(np.where(finite, var_step, np.nan))
     for w in rule.windows:
-        if w not in model.window_scales:
+        if w not in model.wander:
             out.append(Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
-                                skipped=f"{n} steps < window {w}"))
+                                skipped=f"{len(residual)} steps < the window {w} and the {max(w, rule.min_reference)} "
+                                        f"steps before it"))
             continue
-        means = _moving_mean(residual, w)
-        scale = model.window_scales[w]
-        independent = max(1, math.ceil(len(residual) / w))
-        level = window_level / len(windows)
-        qw = quantile(level / independent, min(model.window_dof[w], model.tail_dof))
-        zw = np.where(np.isfinite(means), means / scale, 0.0)
+        reach = max(w, rule.min_reference)
+        ends = np.arange(warmup + reach + w - 1, len(residual))  # window [e - w + 1, e], reference [warmup, e - w]
+        if not len(ends):
+            out.append(Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
+                                skipped=f"{len(residual) - warmup} steps after the warm-up < the window {w} and "
+                                        f"the {reach} steps before it"))
+            continue
+        win_n = k[ends + 1] - k[ends + 1 - w]
+        ref_n = k[ends + 1 - w] - k[warmup]
+        ok = (win_n >= max(2, w // 2)) & (ref_n >= max(2, reach // 2))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            win = (c[ends + 1] - c[ends + 1 - w]) / win_n
+            ref = (c[ends + 1 - w] - c[warmup]) / ref_n
+            var_w = (cv[ends + 1] - cv[ends + 1 - w]) / win_n
+            var_r = (cv[ends + 1 - w] - cv[warmup]) / ref_n
+        # the reference wanders as a longer window of the same slow process does
+        wander_ref = model.wander[w] * np.sqrt(ar1_window_factor(WANDER_PHI, ref_n) / ar1_window_factor(WANDER_PHI, w))
+        var = (var_w * ar1_window_factor(model.phi, w) + var_r * ar1_window_factor(model.phi, ref_n)
+               + model.inflate * (model.wander[w] ** 2 + wander_ref ** 2))
+        scale = np.sqrt(np.maximum(var, 1e-300))
+        diff = np.where(ok, win - ref, 0.0)
+        zw = np.where(ok, diff / scale, 0.0)
+        independent = max(1, math.ceil((len(residual) - warmup - reach) / w))
+        # a mean of w steps has 1/w of the steps' excess kurtosis: its Student-t dof grow with w
+        window_tail = math.inf if model.tail_dof >= 100 else 4 + (model.tail_dof - 4) * w
+        qw = quantile(drift_level / independent, min(model.step_dof, window_tail))
         badw = np.flatnonzero(np.abs(zw) > qw)
-        excw = [Excursion(step=int(steps[i + w - 1]), window=w, residual=float(means[i]), scale=float(scale[i]),
+        excw = [Excursion(step=int(steps[ends[i]]), window=w, residual=float(diff[i]), scale=float(scale[i]),
                           z=float(zw[i]), threshold=qw) for i in badw]
-        worstw = max(excw, key=lambda e: abs(e.z)) if excw else None
-        out.append(Decision(test=f"window{w}", comparisons=independent, level=level, threshold=qw,
+        out.append(Decision(test=f"window{w}", comparisons=independent, level=drift_level, threshold=qw,
                             failures=len(excw), excursions=tuple(_first_per_run(excw, steps)[:limit]),
-                            worst=worstw))
+                            worst=max(excw, key=lambda e: abs(e.z)) if excw else None))
     return out
 
 
@@ -296,18 +402,24 @@ def _first_per_run(excursions: Sequence[Excursion], steps: np.ndarray) -> list[E
 
 
 def describe(rule: DecisionRule, model: NoiseModel, decisions: Sequence[Decision], metric: str, *,
-             fixed_step_rel: float, fixed_window_rel: float, budget: float) -> str:
-    """One paragraph: the rule, the level and the number of comparisons of each test."""
+             budget: float, units: str) -> str:
+    """One paragraph: the rule, the level and the number of comparisons of each test, where the scales came from."""
     parts = []
     for d in decisions:
         if d.skipped:
             parts.append(f"{d.test}: skipped ({d.skipped})")
-            continue
-        what = "per-step" if d.test == "step" else f"{d.test.removeprefix('window')}-step window means"
-        parts.append(f"{what}: {d.comparisons} comparisons at level {d.level:.2%}, |z| <= {d.threshold:.2f}")
-    scale = ("scales from the spread of {} baselines".format(model.baselines) if model.source == "calibrated" else
-             f"fixed scales (one baseline): {fixed_step_rel:.2%} of the baseline per step, "
-             f"{fixed_window_rel:.2%} per window mean")
+        elif d.test == "step":
+            parts.append(f"per step (minus the running median of {rule.smooth}): {d.comparisons} comparisons at "
+                         f"level {d.level:.2%}, |z| <= {d.threshold:.2f}")
+        elif d.test == "level":
+            parts.append(f"level (mean after the warm-up): 1 comparison at level {d.level:.2%}, |z| <= "
+                         f"{d.threshold:.2f} with scale {model.level_scale:.3g} {units} ({model.level_source})")
+        else:
+            parts.append(f"drift over {d.test.removeprefix('window')} steps against every step before: "
+                         f"{d.comparisons} windows at level {d.level:.2%}, |z| <= {d.threshold:.2f}")
+    scale = (f"per-step noise from the spread of {model.baselines} baselines" if model.source == "calibrated" else
+             "per-step noise from the baseline's own step-to-step noise (the candidate's counted as equal); level "
+             "and wander from the documented priors")
     tails = f"Student-t tails with {model.tail_dof:.1f} degrees of freedom (from the noise's kurtosis)" \
         if math.isfinite(model.tail_dof) and model.tail_dof < 100 else "normal tails"
     return (f"{metric}: false-alarm rate <= {budget:.2%} per run of the gate's {rule.alpha:.2%}, whatever the run's "

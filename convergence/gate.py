@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from convergence import checks
-from convergence.calibration import Bands, MetricJudgement, judge
+from convergence.calibration import judge
 from convergence.series import Aligned, MetricSeries, RunMetrics, SeriesError, align, rekey_by
 from convergence.tolerances import Tolerances, tolerances_to_mapping
 from convergence.verdict import Verdict
@@ -74,22 +74,22 @@ def evaluate(baselines: Sequence[RunMetrics], candidate: RunMetrics, tol: Tolera
 
     aligned = align(base_loss, cand_loss, interpolate=by_tokens)
     loss = judge("loss", aligned.steps, aligned.baselines, aligned.candidate, tol.rule,
-                 budget=tol.rule.alpha * tol.rule.loss_share, fixed_step_rel=tol.loss.fixed_step_rel,
-                 fixed_window_rel=tol.loss.fixed_window_rel)
+                 budget=tol.rule.alpha * tol.rule.loss_share, level_rel=tol.loss.level_rel,
+                 window_rel=tol.loss.window_rel, step_rel=tol.loss.step_rel, warmup=tol.loss.warmup_steps)
     lb = loss.bands
     results: list[checks.CheckResult] = [
         checks.check_coverage(aligned.steps, cand_loss, base_loss, tol, interpolated=by_tokens),
         checks.check_nonfinite([s for s in (cand_loss, cand_gn) if s is not None],
                                [[s for s in (bl, bg) if s is not None] for bl, bg in zip(base_loss, base_gn)], tol),
     ]
-    first = checks.check_first_step(aligned.candidate, lb, tol)
+    first = checks.check_first_step(aligned.candidate, lb)
     results += [
         first,
         checks.check_band("resume_continuity", aligned.candidate, lb, 0, limit=tol.restart.window + 1,
                           first_ok=first.passed and not first.skipped),
         checks.check_steps("loss_step", loss, tol.loss.allowed_failures),
         checks.check_windows("loss_window", loss),
-        _mean_check("loss_mean", aligned.candidate, lb, tol.loss.mean_rel, tol.loss.warmup_steps, loss),
+        checks.check_level("loss_mean", loss),
     ]
     gb = None
     cand_gn_row = base_gn_rows = None
@@ -100,14 +100,14 @@ def evaluate(baselines: Sequence[RunMetrics], candidate: RunMetrics, tol: Tolera
         base_gn_rows = _aligned_rows([g for g in base_gn if g is not None], gsteps, by_tokens)
         cand_gn_row = _aligned_rows([cand_gn], gsteps, by_tokens)[0]
         gn = judge("grad_norm", gsteps, base_gn_rows, cand_gn_row, tol.rule, log=True,
-                   budget=tol.rule.alpha * tol.rule.grad_norm_share, fixed_step_rel=tol.grad_norm.fixed_step_rel,
-                   fixed_window_rel=tol.grad_norm.fixed_window_rel)
+                   budget=tol.rule.alpha * tol.rule.grad_norm_share, level_rel=tol.grad_norm.level_rel,
+                   window_rel=tol.grad_norm.window_rel, step_rel=tol.grad_norm.step_rel, warmup=tol.grad_norm.warmup_steps)
         gb = gn.bands
         rules.append(gn.text)
         results += [
             checks.check_steps("grad_norm_band", gn, tol.grad_norm.allowed_failures, log=True),
             checks.check_windows("grad_norm_window", gn, log=True),
-            _mean_check("grad_norm_mean", cand_gn_row, gb, tol.grad_norm.mean_rel, tol.grad_norm.warmup_steps, gn),
+            checks.check_level("grad_norm_mean", gn, log=True),
         ]
     else:
         missing = "the candidate" if cand_gn is None else "a baseline"
@@ -164,14 +164,3 @@ def alignment_lines(series: Sequence[MetricSeries], raw_candidate: MetricSeries,
             line += f"; {'; '.join(parts)}; {len(s.superseded)} superseded point(s)"
         out.append(line)
     return out
-
-
-def _mean_check(code: str, candidate: np.ndarray, band: Bands, rel_tol: float, warmup: int,
-                judgement: MetricJudgement) -> checks.CheckResult:
-    """The fixed mean-error limit of migration practice with one baseline; with two or more, sustained bias
-    is the calibrated window tests' to judge (a fixed limit would add false alarms the rule does not count)."""
-    if judgement.model.source == "calibrated":
-        return checks.CheckResult(code=code, passed=True, skipped=True, reason=(
-            f"skipped: {judgement.model.baselines} baselines calibrate the window tests, which judge sustained "
-            f"{band.metric} bias"))
-    return checks.check_mean_error(code, candidate, band, rel_tol, warmup)

@@ -73,12 +73,12 @@ def test_too_short_a_candidate_fails_coverage():
 
 def test_tolerances_yaml_round_trip_and_errors(tmp_path):
     path = tmp_path / "tol.yaml"
-    path.write_text("loss:\n  fixed_step_rel: 0.02\n  allowed_failures: 3\nrule:\n  alpha: 0.05\n  windows: [20, 100]\n")
+    path.write_text("loss:\n  step_rel: 0.02\n  allowed_failures: 3\nrule:\n  alpha: 0.05\n  windows: [20, 100]\n")
     tol = load_tolerances(path)
-    assert tol.loss.fixed_step_rel == 0.02 and tol.loss.allowed_failures == 3
+    assert tol.loss.step_rel == 0.02 and tol.loss.allowed_failures == 3
     assert tol.rule.alpha == 0.05 and tol.rule.windows == (20, 100)
-    path.write_text("loss:\n  fixed_step_rel: -1\n")
-    with pytest.raises(ToleranceError, match=r"tol.yaml.*loss.fixed_step_rel must be >= 0, got -1"):
+    path.write_text("loss:\n  step_rel: -1\n")
+    with pytest.raises(ToleranceError, match=r"tol.yaml.*loss.step_rel must be >= 0, got -1"):
         load_tolerances(path)
     path.write_text("rule:\n  alpha: 1.5\n")
     with pytest.raises(ToleranceError, match=r"tol.yaml.rule: rule.alpha must be in \(0, 1\), got 1.5"):

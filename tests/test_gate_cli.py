@@ -97,7 +97,7 @@ def test_gate_fails_a_shifted_loss(tmp_path, baselines):
     candidate = _jsonl(tmp_path / "cand.jsonl", _curve(2, bias=0.1))
     result = _run(["--baseline", baselines[0], "--baseline", baselines[1], "--candidate", candidate])
     assert result.exit_code == 1
-    assert "loss_step" in result.output and "loss_window" in result.output  # two baselines: calibrated windows
+    assert "loss_mean" in result.output and "loss level over the run" in result.output  # a whole-run shift: the level
 
 
 def test_bad_inputs_exit_2_naming_the_file(tmp_path, baselines):
@@ -119,8 +119,7 @@ def test_bad_inputs_exit_2_naming_the_file(tmp_path, baselines):
 def test_tolerance_file_loosens_the_gate(tmp_path, baselines):
     candidate = _jsonl(tmp_path / "cand.jsonl", _curve(2, bias=0.1))
     tol = tmp_path / "tol.yaml"
-    tol.write_text(yaml.safe_dump({"loss": {"fixed_step_rel": 0.2, "fixed_window_rel": 0.2, "mean_rel": 0.1,
-                                            "first_step_rel": 0.1}}))
+    tol.write_text(yaml.safe_dump({"loss": {"step_rel": 0.2, "window_rel": 0.2, "level_rel": 0.1}}))
     result = _run(["--baseline", baselines[0], "--candidate", candidate, "--tolerances", str(tol)])
     assert result.exit_code == 0, result.output
 

@@ -163,11 +163,11 @@ def test_correct_migration_passes_with_calibrated_bands(runs):
     assert verdict.loss_bands.calibrated and verdict.grad_norm_bands.calibrated
 
 
-def test_correct_migration_passes_with_one_baseline_and_fixed_tolerances(runs):
+def test_correct_migration_passes_with_one_baseline_and_prior_tolerances(runs):
     baselines, saved = runs
     verdict = evaluate(baselines[:1], _resumed(saved, None), Tolerances())
     assert verdict.passed, verdict.reasons
-    assert verdict.loss_bands.provenance() == {"fixed": len(verdict.loss_bands.steps)}
+    assert verdict.loss_bands.provenance() == {"prior": len(verdict.loss_bands.steps)}
 
 
 EXPECTED = {

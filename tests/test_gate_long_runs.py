@@ -1,10 +1,10 @@
 """The gate on long runs: good runs of any length pass with 1, 2 and 4 baselines; the fault matrix fails.
 
-Runs are drawn from a noise model of the kind `scripts/bench_gate.py` fits to real seed-to-seed runs: a
-decaying loss curve, per-step noise that persists (AR(1) with heavy tails) plus a per-run offset, the same
-for the log gradient norm, and a warm-up + cosine learning rate. The per-step false-alarm budget is shared
-by every step and every window, so a 5,000-step good run is as safe as a 100-step one, and a fault stays
-visible however long the run around it is.
+Two kinds of good run: a correct migration (it starts where the baseline does and drifts apart to a small
+noise) and another seed of the same recipe, drawn from the noise `scripts/bench_gate.py` fitted to 8 real
+seeds of the built-in tiny Llama (per-step noise, a slow wander, a level offset). The false-alarm budget is
+shared by every step, window and level test, so a 5,000-step good run is as safe as a 100-step one, and a
+fault stays visible however long the run around it is.
 """
 
 from __future__ import annotations
@@ -40,18 +40,41 @@ def good_run(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     return {"loss": loss, "grad_norm": gn, "lr": lr}
 
 
+def _wander(rng: np.random.Generator, n: int, sd: float, phi: float = 0.99) -> np.ndarray:
+    kicks = rng.standard_normal(n) * sd * math.sqrt(1 - phi ** 2)
+    x, w = np.empty(n), rng.standard_normal() * sd
+    for i in range(n):
+        w = phi * w + kicks[i]
+        x[i] = w
+    return x
+
+
+def seed_run(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """Another seed of the same recipe: the noise fitted to 8 seeds of the tiny Llama (loss per-step sd 0.017,
+    slow wander 0.0022, level offset 0.0038 on a loss of 0.6-4; log grad norm 0.0095, 0.0031, 0.0043)."""
+    t = np.arange(1, n + 1, dtype=float)
+    loss = 0.53 + 51.9 * (t + 20) ** -0.8 + _ar1(rng, n, 0.013, 0.017, 0.0038) + _wander(rng, n, 0.0022)
+    gn = np.exp(-9.45 + 14.41 * (t + 50) ** -0.1 + _ar1(rng, n, 0.145, 0.0095, 0.0043) + _wander(rng, n, 0.0031))
+    lr = 1e-3 * np.minimum(1, t) * (0.1 + 0.45 * (1 + np.cos(np.pi * t / n)))
+    return {"loss": loss, "grad_norm": gn, "lr": lr}
+
+
+RUNS = {"migration": good_run, "seed": seed_run}
+
+
 def as_run(name: str, m: dict[str, np.ndarray], keep: int | None = None) -> RunMetrics:
     n = keep or len(m["loss"])
     return run_from_points(name, {k: list(zip(range(1, n + 1), map(float, v[:n]))) for k, v in m.items()})
 
 
-def fault(kind: str, m: dict[str, np.ndarray], rng: np.random.Generator) -> tuple[dict[str, np.ndarray], int | None]:
+def fault(kind: str, m: dict[str, np.ndarray], rng: np.random.Generator, *, shift: float = 0.02
+          ) -> tuple[dict[str, np.ndarray], int | None]:
     m = {k: v.copy() for k, v in m.items()}
     n = len(m["loss"])
     onset = max(0, n - 200)
     keep = None
-    if kind == "loss_shift_2pct":
-        m["loss"][onset:] *= 1.02
+    if kind == "loss_shift":
+        m["loss"][onset:] *= 1 + shift
     elif kind == "grad_norm_2x":
         m["grad_norm"][onset:] *= 2.0
     elif kind == "lr_offset":
@@ -65,32 +88,38 @@ def fault(kind: str, m: dict[str, np.ndarray], rng: np.random.Generator) -> tupl
     return m, keep
 
 
-EXPECTED = {"loss_shift_2pct": {"loss_window", "loss_step"}, "grad_norm_2x": {"grad_norm_band", "grad_norm_window"},
+EXPECTED = {"loss_shift": {"loss_window", "loss_step"}, "grad_norm_2x": {"grad_norm_band", "grad_norm_window"},
             "lr_offset": {"lr_mismatch"}, "divergence": {"loss_step", "loss_window", "spikes"},
             "nan": {"nonfinite"}, "truncated": {"coverage"}}
 
 
+@pytest.mark.parametrize("kind", sorted(RUNS))
 @pytest.mark.parametrize("length", [100, 5000])
 @pytest.mark.parametrize("baselines", [1, 2, 4])
-def test_good_runs_pass_at_any_length(length, baselines):
-    rng = np.random.default_rng(1000 * length + baselines)
+def test_good_runs_pass_at_any_length(kind, length, baselines):
+    rng = np.random.default_rng(1000 * length + baselines + (7 if kind == "seed" else 0))
+    draw = RUNS[kind]
     failures = []
     for _ in range(8):
-        base = [as_run(f"baseline{i}", good_run(rng, length)) for i in range(baselines)]
-        verdict = evaluate(base, as_run("candidate", good_run(rng, length)), Tolerances())
+        base = [as_run(f"baseline{i}", draw(rng, length)) for i in range(baselines)]
+        verdict = evaluate(base, as_run("candidate", draw(rng, length)), Tolerances())
         if not verdict.passed:
             failures.append(verdict.reasons)
     assert not failures, failures[0]
     assert any("per run of the gate's 1.00%, whatever the run's length" in r for r in verdict.rule), verdict.rule
 
 
+@pytest.mark.parametrize("runs", sorted(RUNS))
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 @pytest.mark.parametrize("baselines", [1, 2, 4])
-def test_faults_fail_with_their_reason_on_a_long_run(kind, baselines):
-    rng = np.random.default_rng(hash((kind, baselines)) % 2**32)
+def test_faults_fail_with_their_reason_on_a_long_run(runs, kind, baselines):
+    """The fault matrix on both kinds of good run; against seed-to-seed noise the loss shift is 4 % (a 1 %
+    one lies inside what other seeds do: see scripts/bench_gate.py's best-possible column)."""
+    rng = np.random.default_rng(sum(map(ord, kind + runs)) * 10 + baselines)
     length = 2000
-    base = [as_run(f"baseline{i}", good_run(rng, length)) for i in range(baselines)]
-    metrics, keep = fault(kind, good_run(rng, length), rng)
+    draw = RUNS[runs]
+    base = [as_run(f"baseline{i}", draw(rng, length)) for i in range(baselines)]
+    metrics, keep = fault(kind, draw(rng, length), rng, shift=0.04 if runs == "seed" else 0.02)
     verdict = evaluate(base, as_run("candidate", metrics, keep), Tolerances())
     assert not verdict.passed
     assert set(verdict.failed_codes) & EXPECTED[kind], (kind, verdict.reasons)

@@ -99,7 +99,7 @@ def run(ctx: StageContext) -> StageOutcome:
     paths = write_report(verdict, ctx.work_dir)
     metrics: dict[str, Any] = {"passed": int(verdict.passed), "failed_checks": len(verdict.failed_codes)}
     for check in verdict.checks:
-        for key in ("mean_rel_error", "failures", "candidate_count", "rel_error"):
+        for key in ("z", "mean_residual", "failures", "candidate_count", "rel_error"):
             if key in check.details:
                 metrics[f"{check.code}.{key}"] = check.details[key]
     ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
