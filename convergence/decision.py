@@ -15,7 +15,7 @@ metric's share B between its tests:
 * **drift** (the rest, split over the window lengths `windows`): the mean residual over each window of W
   steps minus its mean over every step before the window (a change inside the run, which cancels the run's
   level), against the noise of that difference, beyond the quantile at the window's share divided by the
-  ceil(N / W) independent windows.
+  `SCAN_FACTOR` x ceil(N / W) (a window slid over every position tests more than the disjoint ones).
 
 Noise (`NoiseModel`). Per-step noise is always measured: from the baselines' deviations from their centre
 (two or more, each high-pass filtered by its running median), or from one baseline's own step-to-step
@@ -117,6 +117,8 @@ class NoiseModel:
     level_scale: float
     wander: dict[int, float]
     """Standard deviation of one run's wander in a mean over each window length."""
+    wander_dof: dict[int, float]
+    """Degrees of freedom of each wander estimate (the prior's and the measured windows')."""
     step_dof: float
     source: str  # "calibrated" (from n >= 2 baselines) or "prior" (one baseline: level and wander assumed)
     baselines: int
@@ -196,6 +198,9 @@ def running_median(x: np.ndarray, width: int) -> np.ndarray:
 WANDER_PHI = 0.99
 """Wander is modelled as a slow AR(1) with this lag-1 correlation (a time constant of 100 steps): the prior's
 variance for a mean over L steps is `window`^2 x ar1_window_factor(WANDER_PHI, L)."""
+SCAN_FACTOR = 3
+"""A window slid over every position makes about this many times more effective comparisons than the
+disjoint windows it spans, at the thresholds used (a scan statistic; measured by scripts/bench_gate.py)."""
 MIN_TAIL_POINTS = 40
 DEFAULT_TAIL_DOF = 8.0  # too few points to tell: moderately heavy tails, as loss noise has
 
@@ -280,6 +285,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
         level_source = "prior (one baseline)"
     level_scale = math.sqrt(max((level_var + within) * inflate, floor ** 2))
     wander: dict[int, float] = {}
+    wander_dof: dict[int, float] = {}
     for w in windows:
         if dev is not None:
             body = dev[:, warmup:] - np.nanmean(dev[:, warmup:], axis=1, keepdims=True)
@@ -289,11 +295,18 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
             excess = max(0.0, measured - run_var * ar1_window_factor(phi, w))
             prior_w = wander_prior * ar1_window_factor(WANDER_PHI, w)
             wander[w] = math.sqrt(_pool_prior(prior_w, rule.prior_dof, excess, (n - 1) * blocks))
+            wander_dof[w] = rule.prior_dof + (n - 1) * blocks
         else:
             wander[w] = math.sqrt(wander_prior * ar1_window_factor(WANDER_PHI, w))
+            wander_dof[w] = math.inf  # a prior taken as known
+    # tails: each baseline's own step-to-step noise, as the candidate has it (deviations from a mean of a few
+    # runs average the tails away)
+    own = baselines - np.stack([running_median(b, rule.smooth) for b in baselines])
+    own_var = np.nan_to_num(_pooled(np.nanmean(own ** 2, axis=0), rule.pool), nan=0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        standardized = (high / np.sqrt(np.maximum(pooled, floor ** 2))).ravel()
-    return NoiseModel(step_scale=step_scale, phi=phi, level_scale=level_scale, wander=wander, step_dof=step_dof,
+        standardized = (own / np.sqrt(np.maximum(own_var, floor ** 2))).ravel()
+    return NoiseModel(step_scale=step_scale, phi=phi, level_scale=level_scale, wander=wander, wander_dof=wander_dof,
+                      step_dof=step_dof,
                       source="calibrated" if n >= 2 else "prior", baselines=n, level_source=level_source,
                       inflate=inflate, tail_dof=tail_dof(standardized))
 
@@ -375,10 +388,10 @@ def decide(steps: np.ndarray, residual: np.ndarray, model: NoiseModel, rule: Dec
         scale = np.sqrt(np.maximum(var, 1e-300))
         diff = np.where(ok, win - ref, 0.0)
         zw = np.where(ok, diff / scale, 0.0)
-        independent = max(1, math.ceil((len(residual) - warmup - reach) / w))
+        independent = SCAN_FACTOR * max(1, math.ceil((len(residual) - warmup - reach) / w))
         # a mean of w steps has 1/w of the steps' excess kurtosis: its Student-t dof grow with w
         window_tail = math.inf if model.tail_dof >= 100 else 4 + (model.tail_dof - 4) * w
-        qw = quantile(drift_level / independent, min(model.step_dof, window_tail))
+        qw = quantile(drift_level / independent, min(model.step_dof, window_tail, model.wander_dof.get(w, math.inf)))
         badw = np.flatnonzero(np.abs(zw) > qw)
         excw = [Excursion(step=int(steps[ends[i]]), window=w, residual=float(diff[i]), scale=float(scale[i]),
                           z=float(zw[i]), threshold=qw) for i in badw]
