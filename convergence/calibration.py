@@ -86,12 +86,13 @@ def judge(metric: str, steps: np.ndarray, baselines: np.ndarray, candidate: np.n
     unit = 1.0 if log else (float(np.nanmean(np.abs(centre[warmup:] if len(centre) > warmup else centre)))
                             if np.isfinite(centre).any() else 0.0)
     step = step_rel if log else step_rel * np.abs(np.nan_to_num(centre, nan=0.0))
-    model = noise_model(rows, centre, rule, Priors(level=level_rel * unit, window=window_rel * unit, step=step),
+    local = 1.0 if log else np.abs(np.nan_to_num(centre, nan=unit))
+    model = noise_model(rows, centre, rule, Priors(level=level_rel * unit, window=window_rel * local, step=step),
                         warmup=min(warmup, max(0, len(steps) - 1)))
     residual = cand - centre
     decisions = tuple(decide(steps, residual, model, rule, budget, warmup=min(warmup, max(0, len(steps) - 1))))
     q = decisions[0].threshold if math.isfinite(decisions[0].threshold) else 0.0
-    smallest = min(model.wander.values(), default=0.0)
+    smallest = model.wander[min(model.wander)] if model.wander else 0.0
     # one step of a good run about the centre: its step noise, its level and its wander
     half = q * np.sqrt(model.step_scale ** 2 + model.level_scale ** 2 + model.inflate * smallest ** 2)
     with np.errstate(all="ignore"):

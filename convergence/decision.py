@@ -63,7 +63,7 @@ class DecisionRule:
     prior_dof: float = 8.0
     """Weight of the level and wander priors, in baselines (level) or windows (wander), against the
     spread measured from two or more baselines."""
-    prior_noise_ratio: float = 2.0
+    prior_noise_ratio: float = 1.0
     """The priors never exceed this multiple of the measured per-step noise."""
     floor_abs: float = 1e-6
     floor_rel: float = 1e-5
@@ -99,8 +99,9 @@ class Priors:
 
     level: float
     """Standard deviation of one good run's level (whole-run mean) about the true centre."""
-    window: float
-    """Standard deviation of one good run's wander: a window mean about the run's own level."""
+    window: float | np.ndarray
+    """Standard deviation of one good run's wander about its own level (for all steps, or per step: a relative
+    prior follows the metric's level along the run)."""
     step: float | np.ndarray = 0.0
     """One baseline: the least step noise the residual is given (per step or for all), so that a stretch where
     the baseline alone looks smooth (a steep start) does not demand a candidate equal to it."""
@@ -115,14 +116,16 @@ class NoiseModel:
     phi: float
     """Lag-1 autocorrelation of the step-to-step noise."""
     level_scale: float
-    wander: dict[int, float]
-    """Standard deviation of one run's wander in a mean over each window length."""
+    wander: dict[int, np.ndarray]
+    """Standard deviation of one run's wander in a mean over each window length, per step of the run."""
     wander_dof: dict[int, float]
     """Degrees of freedom of each wander estimate (the prior's and the measured windows')."""
     step_dof: float
     source: str  # "calibrated" (from n >= 2 baselines) or "prior" (one baseline: level and wander assumed)
     baselines: int
     level_source: str
+    level_dof: float
+    """Degrees of freedom of the level scale: the prior's weight plus the baselines' (infinite for a prior alone)."""
     inflate: float
     """Variance of the residual over one run's: 1 + 1/n against n baselines, 2 against one."""
     tail_dof: float = math.inf  # the noise's own tail (Student-t dof from its kurtosis)
@@ -240,6 +243,16 @@ def ar1_window_factor(phi: float, w: int | np.ndarray) -> float | np.ndarray:
     return float(out) if out.ndim == 0 else out
 
 
+def adjacent_covariance(phi: float, a: int, b: int | np.ndarray) -> float | np.ndarray:
+    """Cov(mean of a block of a values, mean of the b values just before it) / Var(one value) for an AR(1)
+    process with lag-1 correlation phi."""
+    b = np.maximum(np.asarray(b, dtype=float), 1.0)
+    if phi <= 0:
+        return np.zeros_like(b) if b.ndim else 0.0
+    out = phi * (1 - phi ** a) * (1 - phi ** b) / ((1 - phi) ** 2 * a * b)
+    return float(out) if out.ndim == 0 else out
+
+
 def _pool_prior(prior_var: float, prior_dof: float, measured_var: float, measured_dof: float) -> float:
     """The prior and the measurement, each weighted by its degrees of freedom (a scaled inverse-chi2 update)."""
     return (prior_dof * prior_var + measured_dof * measured_var) / (prior_dof + measured_dof)
@@ -273,7 +286,8 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
     run_var = float(np.mean(pooled[warmup:])) if steps > warmup else float(np.mean(pooled))
     cap = rule.prior_noise_ratio ** 2 * run_var  # priors never above this multiple of the measured noise
     level_prior = min(priors.level ** 2, cap)
-    wander_prior = min(priors.window ** 2, cap)
+    wander_prior = np.minimum(np.broadcast_to(np.asarray(priors.window, dtype=float) ** 2, (steps,)),
+                              rule.prior_noise_ratio ** 2 * pooled)
     within = run_var * ar1_window_factor(phi, max(1, steps - warmup))  # the level's own step noise
     if dev is not None:
         levels = np.nanmean(dev[:, warmup:], axis=1) if steps > warmup else np.nanmean(dev, axis=1)
@@ -284,7 +298,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
         level_var = level_prior
         level_source = "prior (one baseline)"
     level_scale = math.sqrt(max((level_var + within) * inflate, floor ** 2))
-    wander: dict[int, float] = {}
+    wander: dict[int, np.ndarray] = {}
     wander_dof: dict[int, float] = {}
     for w in windows:
         if dev is not None:
@@ -294,10 +308,10 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
             measured = float(np.nansum(means ** 2) / ((n - 1) * max(blocks, 1)))
             excess = max(0.0, measured - run_var * ar1_window_factor(phi, w))
             prior_w = wander_prior * ar1_window_factor(WANDER_PHI, w)
-            wander[w] = math.sqrt(_pool_prior(prior_w, rule.prior_dof, excess, (n - 1) * blocks))
+            wander[w] = np.sqrt(_pool_prior(prior_w, rule.prior_dof, excess, (n - 1) * blocks))
             wander_dof[w] = rule.prior_dof + (n - 1) * blocks
         else:
-            wander[w] = math.sqrt(wander_prior * ar1_window_factor(WANDER_PHI, w))
+            wander[w] = np.sqrt(wander_prior * ar1_window_factor(WANDER_PHI, w))
             wander_dof[w] = math.inf  # a prior taken as known
     # tails: each baseline's own step-to-step noise, as the candidate has it (deviations from a mean of a few
     # runs average the tails away)
@@ -308,6 +322,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
     return NoiseModel(step_scale=step_scale, phi=phi, level_scale=level_scale, wander=wander, wander_dof=wander_dof,
                       step_dof=step_dof,
                       source="calibrated" if n >= 2 else "prior", baselines=n, level_source=level_source,
+                      level_dof=rule.prior_dof + n - 1 if n >= 2 else math.inf,
                       inflate=inflate, tail_dof=tail_dof(standardized))
 
 
@@ -348,7 +363,7 @@ def decide(steps: np.ndarray, residual: np.ndarray, model: NoiseModel, rule: Dec
 
     body = residual[warmup:] if len(residual) > warmup else residual
     level_level = budget * rule.level_share
-    ql = quantile(level_level, math.inf)
+    ql = quantile(level_level, model.level_dof)
     mean = float(np.nanmean(body)) if np.isfinite(body).any() else 0.0
     zl = mean / model.level_scale
     lexc = Excursion(step=int(steps[-1]), window=0, residual=mean, scale=model.level_scale, z=zl, threshold=ql)
@@ -381,10 +396,14 @@ def decide(steps: np.ndarray, residual: np.ndarray, model: NoiseModel, rule: Dec
             ref = (c[ends + 1 - w] - c[warmup]) / ref_n
             var_w = (cv[ends + 1] - cv[ends + 1 - w]) / win_n
             var_r = (cv[ends + 1 - w] - cv[warmup]) / ref_n
-        # the reference wanders as a longer window of the same slow process does
-        wander_ref = model.wander[w] * np.sqrt(ar1_window_factor(WANDER_PHI, ref_n) / ar1_window_factor(WANDER_PHI, w))
+        # wander: the same slow AR(1) over the window and over the reference just before it (at the level of
+        # the reference's middle), which move together: Var(mean_w - mean_r) = Var_w + Var_r - 2 Cov
+        sw = model.wander[w][ends] / math.sqrt(ar1_window_factor(WANDER_PHI, w))
+        sr = model.wander[w][(warmup + ends + 1 - w) // 2] / math.sqrt(ar1_window_factor(WANDER_PHI, w))
+        wander_var = (sw ** 2 * ar1_window_factor(WANDER_PHI, w) + sr ** 2 * ar1_window_factor(WANDER_PHI, ref_n)
+                      - 2 * sw * sr * adjacent_covariance(WANDER_PHI, w, ref_n))
         var = (var_w * ar1_window_factor(model.phi, w) + var_r * ar1_window_factor(model.phi, ref_n)
-               + model.inflate * (model.wander[w] ** 2 + wander_ref ** 2))
+               + model.inflate * np.maximum(wander_var, 0.0))
         scale = np.sqrt(np.maximum(var, 1e-300))
         diff = np.where(ok, win - ref, 0.0)
         zw = np.where(ok, diff / scale, 0.0)

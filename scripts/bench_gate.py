@@ -5,8 +5,9 @@
    rate per step, cached in OUT/runs.jsonl (a rerun trains only the seeds missing).
 2. A noise model fitted to those runs, to reach 5,000 steps: the seeds' mean curve continued by a fitted
    a + b * (t + c)^-d (loss; log grad norm likewise), and each run's deviation from the mean as a run offset
-   (the spread of the seeds' mean deviations) plus an AR(1) process with Student-t innovations (phi, sigma and
-   the degrees of freedom fitted to the seeds' deviations).
+   (the spread of the seeds' mean deviations), an AR(1) process with Student-t innovations (phi, sigma and
+   the degrees of freedom fitted to the seeds' deviations) and a slow wander (AR(1), phi 0.99, its sd from the
+   variance of 100-step means beyond what the fast part gives).
 3. For run lengths 100 / 500 / 5,000 and 1, 2, 4 baselines: `--trials` good candidates (fresh draws of n
    baselines and one candidate from the noise model; at lengths the real runs reach, also every way of picking
    n + 1 real seeds) give the false-alarm rate; each fault at each size gives the detection rate and the median
@@ -14,10 +15,13 @@
    Faults: a loss shift of 0.25-4 % over the last 200 steps (the whole run when shorter); the grad norm scaled
    1.2-3x over the last 200 steps; the LR schedule offset by 10 steps from the middle; a late divergence (loss
    growing e-fold every 25 steps over the last 50); one NaN at a random step; the run truncated at 80 %.
+   For the loss shift, "best possible" is what the known-onset difference of means reaches at a 1 % false-alarm
+   rate under the model: no rule that has to find the onset does better.
 Targets: false alarms <= 1 % per run at every length; a sustained 1 % loss shift over 200 steps, a 1.5x
-grad-norm change, any NaN and any truncation detected >= 99 %.
+grad-norm change, any NaN and any truncation detected >= 99 %. The table ends with each target and the cells
+that miss it.
 
-    python scripts/bench_gate.py --out runs/bench_gate [--seeds 8] [--real-steps 300] [--trials 400]
+    python scripts/bench_gate.py --out runs/bench_gate [--seeds 8] [--real-steps 600] [--trials 400]
 """
 from __future__ import annotations
 
@@ -289,7 +293,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/bench_gate"))
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--real-steps", type=int, default=300)
+    ap.add_argument("--real-steps", type=int, default=600)
     ap.add_argument("--global-batch", type=int, default=256,
                     help="sequences per step (256 x 32 tokens: per-step loss noise of a few percent, as LLM runs)")
     ap.add_argument("--trials", type=int, default=400)
@@ -302,8 +306,9 @@ def main() -> None:
     runs = train_seeds(args.out, args.seeds, args.real_steps, args.global_batch)
     model = fit_noise(runs)
     print(f"noise model: loss AR(1) phi {model.loss.phi:.3f} sigma {model.loss.sigma:.3g} dof {model.loss.dof:.1f} "
-          f"run offset sd {model.loss.offset_sd:.3g}; log grad norm phi {model.log_gn.phi:.3f} sigma "
-          f"{model.log_gn.sigma:.3g} dof {model.log_gn.dof:.1f} offset sd {model.log_gn.offset_sd:.3g}", flush=True)
+          f"run offset sd {model.loss.offset_sd:.3g} wander sd {model.loss.wander_sd:.3g}; log grad norm phi "
+          f"{model.log_gn.phi:.3f} sigma {model.log_gn.sigma:.3g} dof {model.log_gn.dof:.1f} offset sd "
+          f"{model.log_gn.offset_sd:.3g} wander sd {model.log_gn.wander_sd:.3g}", flush=True)
     tol = Tolerances()
     rng = np.random.default_rng(20261201)
     results = {"model": model.__dict__ | {"loss": model.loss.__dict__, "log_gn": model.log_gn.__dict__},
@@ -312,7 +317,7 @@ def main() -> None:
     rows = [header, "|---|---|---|---|"]
     detect_rows = ["| steps | baselines | fault | size | detected | median delay (steps) | best possible |",
                    "|---|---|---|---|---|---|---|"]
-    met = True
+    met: dict[str, list[str]] = {"false alarms <= 1 % per run": []}  # target -> cells that miss it
     for length in LENGTHS:
         for n in BASELINES:
             began = time.perf_counter()
@@ -321,9 +326,11 @@ def main() -> None:
             if length <= args.real_steps and len(runs) > n:
                 ra, rt, codes = real_false_alarms(runs, length, n, tol, args.trials)
                 real = f"{ra}/{rt} ({ra / rt:.1%})" + (f" {codes}" if codes else "")
-                met &= ra / rt <= 0.01 + 1.96 * math.sqrt(0.01 * 0.99 / rt)
+                if ra / rt > 0.01 + 1.96 * math.sqrt(0.01 * 0.99 / rt):
+                    met["false alarms <= 1 % per run"].append(f"{length}x{n} real")
             rate = alarms / args.trials
-            met &= rate <= 0.01 + 1.96 * math.sqrt(0.01 * 0.99 / args.trials)
+            if rate > 0.01 + 1.96 * math.sqrt(0.01 * 0.99 / args.trials):
+                met["false alarms <= 1 % per run"].append(f"{length}x{n}")
             rows.append(f"| {length} | {n} | {alarms}/{args.trials} ({rate:.1%}) | {real or 'n/a'} |")
             results["false_alarms"][f"{length}x{n}"] = {"model": rate, "real": real}
             for fault in FAULTS:
@@ -331,9 +338,12 @@ def main() -> None:
                 detected = [d for passed, d, _ in got if not passed]
                 rate_d = len(detected) / len(got)
                 delay = statistics.median(detected) if detected else math.nan
-                if fault in TARGETS:
-                    met &= rate_d >= 0.99
                 bound = shift_bound(model, rng, length, n, fault[1]) if fault[0] == "loss_shift" else math.nan
+                if fault in TARGETS:
+                    missed = met.setdefault(f"{fault[0]} {fault[1]:g} detected >= 99 %", [])
+                    if rate_d < 0.99:
+                        missed.append(f"{length}x{n} ({rate_d:.0%}" + (f", best possible {bound:.0%})"
+                                                                      if math.isfinite(bound) else ")"))
                 detect_rows.append(f"| {length} | {n} | {fault[0]} | {fault[1]:g} | {rate_d:.1%} | {delay:.0f} | "
                                    + (f"{bound:.1%} |" if math.isfinite(bound) else "|"))
                 results["detection"][f"{length}x{n}:{fault[0]}:{fault[1]:g}"] = {"rate": rate_d, "delay": delay,
@@ -342,8 +352,12 @@ def main() -> None:
     print("\n".join(rows))
     print()
     print("\n".join(detect_rows))
-    print(f"\ntargets (false alarms <= 1 % per run; 1 % loss shift, 1.5x grad norm, NaN, truncation >= 99 %): "
-          f"{'met' if met else 'NOT met'}")
+    print("\ntargets (cells steps x baselines that miss them):")
+    for target, missed in met.items():
+        print(f"  {target}: " + ("met" if not missed else "NOT met at " + ", ".join(missed)))
+    print("best possible: the known-onset difference of means (after the onset minus before it; the level when the "
+          "shift spans the run) at a 1 % false-alarm rate under the fitted model; no rule that must find the onset "
+          "can do better")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
 
