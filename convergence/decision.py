@@ -266,6 +266,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
     ref = float(np.nanmean(np.abs(centre))) if np.isfinite(centre).any() else 0.0
     floor = max(rule.floor_abs, rule.floor_rel * ref)
     windows = sorted(w for w in rule.windows if w + max(w, rule.min_reference) <= steps)
+    own = baselines - np.stack([running_median(b, rule.smooth) for b in baselines])  # each run's own step noise
     if n >= 2:
         dev = baselines - centre
         high = np.stack([d - running_median(d, rule.smooth) for d in dev])
@@ -274,7 +275,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
         inflate = 1.0 + 1.0 / n  # the candidate's own noise plus the centre's
     else:
         dev = None
-        high = baselines - np.stack([running_median(b, rule.smooth) for b in baselines])
+        high = own
         var_t = high[0] ** 2
         inflate = 2.0  # the candidate is as noisy as the baseline, and nothing averages the baseline's out
     pooled = np.nan_to_num(_pooled(var_t, rule.pool), nan=0.0)
@@ -300,9 +301,9 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
     level_scale = math.sqrt(max((level_var + within) * inflate, floor ** 2))
     wander: dict[int, np.ndarray] = {}
     wander_dof: dict[int, float] = {}
+    body = None if dev is None else dev[:, warmup:] - np.nanmean(dev[:, warmup:], axis=1, keepdims=True)
     for w in windows:
-        if dev is not None:
-            body = dev[:, warmup:] - np.nanmean(dev[:, warmup:], axis=1, keepdims=True)
+        if body is not None:
             blocks = body.shape[1] // w
             means = np.nanmean(body[:, :blocks * w].reshape(n, blocks, w), axis=2) if blocks else np.zeros((n, 0))
             measured = float(np.nansum(means ** 2) / ((n - 1) * max(blocks, 1)))
@@ -315,13 +316,12 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
             wander_dof[w] = math.inf  # a prior taken as known
     # tails: each baseline's own step-to-step noise, as the candidate has it (deviations from a mean of a few
     # runs average the tails away)
-    own = baselines - np.stack([running_median(b, rule.smooth) for b in baselines])
     own_var = np.nan_to_num(_pooled(np.nanmean(own ** 2, axis=0), rule.pool), nan=0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         standardized = (own / np.sqrt(np.maximum(own_var, floor ** 2))).ravel()
     return NoiseModel(step_scale=step_scale, phi=phi, level_scale=level_scale, wander=wander, wander_dof=wander_dof,
-                      step_dof=step_dof,
-                      source="calibrated" if n >= 2 else "prior", baselines=n, level_source=level_source,
+                      step_dof=step_dof, source="calibrated" if n >= 2 else "prior", baselines=n,
+                      level_source=level_source,
                       level_dof=rule.prior_dof + n - 1 if n >= 2 else math.inf,
                       inflate=inflate, tail_dof=tail_dof(standardized))
 

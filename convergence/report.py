@@ -27,7 +27,7 @@ def _plot_metric(bands: Bands, baselines: np.ndarray, candidate: np.ndarray, tit
     candidate equal to its baseline still shows both."""
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
     ax.fill_between(bands.steps, bands.lower, bands.upper, color="tab:blue", alpha=0.15, lw=0,
-                    label="accepted band (per-step test)")
+                    label="band: where one step of a good run may lie")
     colors = ["tab:gray", "tab:olive", "tab:cyan", "tab:brown", "tab:pink"]
     for i, row in enumerate(baselines):
         ax.plot(bands.steps, row, color=colors[i % len(colors)], lw=3.0, alpha=0.55, label=f"baseline {i + 1}")
