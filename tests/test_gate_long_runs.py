@@ -113,13 +113,15 @@ def test_good_runs_pass_at_any_length(kind, length, baselines):
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 @pytest.mark.parametrize("baselines", [1, 2, 4])
 def test_faults_fail_with_their_reason_on_a_long_run(runs, kind, baselines):
-    """The fault matrix on both kinds of good run; against seed-to-seed noise the loss shift is 4 % (a 1 %
-    one lies inside what other seeds do: see scripts/bench_gate.py's best-possible column)."""
+    """The fault matrix on both kinds of good run. The loss shift is 2 % against a correct migration's noise
+    with baselines that measure it, and 4 % where the documented wander prior (0.4 %) stands in for what one
+    baseline cannot measure, or against seed-to-seed noise (a 1 % shift lies inside what other seeds do: see
+    scripts/bench_gate.py's best-possible column)."""
     rng = np.random.default_rng(sum(map(ord, kind + runs)) * 10 + baselines)
     length = 2000
     draw = RUNS[runs]
     base = [as_run(f"baseline{i}", draw(rng, length)) for i in range(baselines)]
-    metrics, keep = fault(kind, draw(rng, length), rng, shift=0.04 if runs == "seed" else 0.02)
+    metrics, keep = fault(kind, draw(rng, length), rng, shift=0.04 if runs == "seed" or baselines == 1 else 0.02)
     verdict = evaluate(base, as_run("candidate", metrics, keep), Tolerances())
     assert not verdict.passed
     assert set(verdict.failed_codes) & EXPECTED[kind], (kind, verdict.reasons)
