@@ -83,14 +83,17 @@ def judge(metric: str, steps: np.ndarray, baselines: np.ndarray, candidate: np.n
         rows = np.log(np.where(baselines > 0, baselines, np.nan)) if log else baselines
         cand = np.log(np.where(candidate > 0, candidate, np.nan)) if log else candidate
     centre = _centre(rows)
-    unit = 1.0 if log else (float(np.nanmean(np.abs(centre[warmup:] if len(centre) > warmup else centre)))
-                            if np.isfinite(centre).any() else 0.0)
-    step = step_rel if log else step_rel * np.abs(np.nan_to_num(centre, nan=0.0))
-    local = 1.0 if log else np.abs(np.nan_to_num(centre, nan=unit))
-    model = noise_model(rows, centre, rule, Priors(level=level_rel * unit, window=window_rel * local, step=step),
-                        warmup=min(warmup, max(0, len(steps) - 1)))
+    warmup = min(warmup, max(0, len(steps) - 1))
+    if log:  # log values: the priors are fractions of 1
+        priors = Priors(level=level_rel, window=window_rel, step=step_rel)
+    else:  # fractions of the loss: its mean after the warm-up (level), its value at each step (wander, step)
+        local = np.abs(centre)
+        unit = float(np.nanmean(local[warmup:])) if np.isfinite(local[warmup:]).any() else 0.0
+        local = np.nan_to_num(local, nan=unit)
+        priors = Priors(level=level_rel * unit, window=window_rel * local, step=step_rel * local)
+    model = noise_model(rows, centre, rule, priors, warmup=warmup)
     residual = cand - centre
-    decisions = tuple(decide(steps, residual, model, rule, budget, warmup=min(warmup, max(0, len(steps) - 1))))
+    decisions = tuple(decide(steps, residual, model, rule, budget, warmup=warmup))
     q = decisions[0].threshold if math.isfinite(decisions[0].threshold) else 0.0
     smallest = model.wander[min(model.wander)] if model.wander else 0.0
     # one step of a good run about the centre: its step noise, its level and its wander

@@ -259,8 +259,8 @@ def check_steps(code: str, judgement: MetricJudgement, allowed: int, *, unit: st
 
 
 def check_windows(code: str, judgement: MetricJudgement, *, unit: str = "", log: bool = False) -> CheckResult:
-    """The decision rule's sustained-drift tests: the mean residual over every window of each length within
-    its threshold (Bonferroni over the independent windows of each length and over the lengths)."""
+    """The decision rule's drift tests: the mean residual over every window of each length, minus its mean
+    before the window, within its threshold (Bonferroni over the lengths and the scanned windows)."""
     metric = judgement.bands.metric
     drift = [d for d in judgement.decisions if d.test.startswith("window")]
     tests = [d for d in drift if not d.skipped]
@@ -294,8 +294,9 @@ def check_level(code: str, judgement: MetricJudgement, *, log: bool = False) -> 
     e = d.worst
     assert e is not None
     shown = f"x{math.exp(e.residual):.4g}" if log else f"{e.residual:+.4g}"
-    rel = (f" ({pct(e.residual / abs(float(np.nanmean(judgement.bands.center))))})"
-           if not log and np.isfinite(judgement.bands.center).any() and np.nanmean(judgement.bands.center) else "")
+    centre = judgement.bands.center
+    mean = float(np.nanmean(centre)) if np.isfinite(centre).any() else 0.0
+    rel = f" ({pct(e.residual / abs(mean))})" if not log and mean else ""
     details = {"mean_residual": e.residual, "scale": e.scale, "z": e.z, "threshold_z": d.threshold,
                "level": d.level, "scale_source": judgement.model.level_source}
     text = (f"{metric} level over the run: {shown}{rel} against the baselines, z {e.z:+.2f} (|z| limit "

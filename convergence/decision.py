@@ -372,52 +372,58 @@ def decide(steps: np.ndarray, residual: np.ndarray, model: NoiseModel, rule: Dec
 
     windows = [w for w in rule.windows if w in model.wander]
     drift_level = budget * rule.drift_share / max(1, len(windows))
-    var_step = model.step_scale ** 2
-    c, k = _cumulative(residual)
-    cv, _ = _cumulative(np.where(finite, var_step, np.nan))
+    sums = _cumulative(residual)
+    variances = _cumulative(np.where(finite, model.step_scale ** 2, np.nan))[0]
     for w in rule.windows:
-        if w not in model.wander:
-            out.append(Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
-                                skipped=f"{len(residual)} steps < the window {w} and the {max(w, rule.min_reference)} "
-                                        f"steps before it"))
-            continue
-        reach = max(w, rule.min_reference)
-        ends = np.arange(warmup + reach + w - 1, len(residual))  # window [e - w + 1, e], reference [warmup, e - w]
-        if not len(ends):
-            out.append(Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
-                                skipped=f"{len(residual) - warmup} steps after the warm-up < the window {w} and "
-                                        f"the {reach} steps before it"))
-            continue
-        win_n = k[ends + 1] - k[ends + 1 - w]
-        ref_n = k[ends + 1 - w] - k[warmup]
-        ok = (win_n >= max(2, w // 2)) & (ref_n >= max(2, reach // 2))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            win = (c[ends + 1] - c[ends + 1 - w]) / win_n
-            ref = (c[ends + 1 - w] - c[warmup]) / ref_n
-            var_w = (cv[ends + 1] - cv[ends + 1 - w]) / win_n
-            var_r = (cv[ends + 1 - w] - cv[warmup]) / ref_n
-        # wander: the same slow AR(1) over the window and over the reference just before it (at the level of
-        # the reference's middle), which move together: Var(mean_w - mean_r) = Var_w + Var_r - 2 Cov
-        sw = model.wander[w][ends] / math.sqrt(ar1_window_factor(WANDER_PHI, w))
-        sr = model.wander[w][(warmup + ends + 1 - w) // 2] / math.sqrt(ar1_window_factor(WANDER_PHI, w))
-        wander_var = (sw ** 2 * ar1_window_factor(WANDER_PHI, w) + sr ** 2 * ar1_window_factor(WANDER_PHI, ref_n)
-                      - 2 * sw * sr * adjacent_covariance(WANDER_PHI, w, ref_n))
-        var = (var_w * ar1_window_factor(model.phi, w) + var_r * ar1_window_factor(model.phi, ref_n)
-               + model.inflate * np.maximum(wander_var, 0.0))
-        scale = np.sqrt(np.maximum(var, 1e-300))
-        diff = np.where(ok, win - ref, 0.0)
-        zw = np.where(ok, diff / scale, 0.0)
-        independent = SCAN_FACTOR * max(1, math.ceil((len(residual) - warmup - reach) / w))
-        # a mean of w steps has 1/w of the steps' excess kurtosis: its Student-t dof grow with w
-        window_tail = math.inf if model.tail_dof >= 100 else 4 + (model.tail_dof - 4) * w
-        qw = quantile(drift_level / independent, min(model.step_dof, window_tail, model.wander_dof.get(w, math.inf)))
-        badw = np.flatnonzero(np.abs(zw) > qw)
-        excw = [Excursion(step=int(steps[ends[i]]), window=w, residual=float(diff[i]), scale=float(scale[i]),
-                          z=float(zw[i]), threshold=qw) for i in badw]
-        out.append(Decision(test=f"window{w}", comparisons=independent, level=drift_level, threshold=qw,
-                            failures=len(excw), excursions=tuple(_first_per_run(excw, steps)[:limit]),
-                            worst=max(excw, key=lambda e: abs(e.z)) if excw else None))
+        out.append(_drift(w, steps, residual, sums, variances, model, rule, drift_level, warmup=warmup, limit=limit))
     return out
+
+
+def _drift(w: int, steps: np.ndarray, residual: np.ndarray, sums: tuple[np.ndarray, np.ndarray],
+           variances: np.ndarray, model: NoiseModel, rule: DecisionRule, level: float, *, warmup: int,
+           limit: int) -> Decision:
+    """The drift test of one window length: the mean over each window of `w` steps minus the mean over every
+    step before it (from `warmup`), against its noise; `sums` and `variances` are cumulative sums (counts) of
+    the residual and of its per-step variance."""
+    reach = max(w, rule.min_reference)
+    if w not in model.wander:
+        return Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
+                        skipped=f"{len(residual)} steps < the window {w} and the {reach} steps before it")
+    ends = np.arange(warmup + reach + w - 1, len(residual))  # window [e - w + 1, e], reference [warmup, e - w]
+    if not len(ends):
+        return Decision(test=f"window{w}", comparisons=0, level=0.0, threshold=math.nan,
+                        skipped=f"{len(residual) - warmup} steps after the warm-up < the window {w} and the "
+                                f"{reach} steps before it")
+    c, k = sums
+    win_n = k[ends + 1] - k[ends + 1 - w]
+    ref_n = k[ends + 1 - w] - k[warmup]
+    ok = (win_n >= max(2, w // 2)) & (ref_n >= max(2, reach // 2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        win = (c[ends + 1] - c[ends + 1 - w]) / win_n
+        ref = (c[ends + 1 - w] - c[warmup]) / ref_n
+        var_w = (variances[ends + 1] - variances[ends + 1 - w]) / win_n
+        var_r = (variances[ends + 1 - w] - variances[warmup]) / ref_n
+    # wander: the same slow AR(1) over the window and over the reference just before it (at the level of the
+    # reference's middle), which move together: Var(mean_w - mean_r) = Var_w + Var_r - 2 Cov
+    at_window = model.wander[w][ends]
+    sd_w = at_window / math.sqrt(ar1_window_factor(WANDER_PHI, w))  # the process's own sd, at each level
+    sd_r = model.wander[w][(warmup + ends + 1 - w) // 2] / math.sqrt(ar1_window_factor(WANDER_PHI, w))
+    wander_var = (at_window ** 2 + sd_r ** 2 * ar1_window_factor(WANDER_PHI, ref_n)
+                  - 2 * sd_w * sd_r * adjacent_covariance(WANDER_PHI, w, ref_n))
+    var = (var_w * ar1_window_factor(model.phi, w) + var_r * ar1_window_factor(model.phi, ref_n)
+           + model.inflate * np.maximum(wander_var, 0.0))
+    scale = np.sqrt(np.maximum(var, 1e-300))
+    diff = np.where(ok, win - ref, 0.0)
+    z = np.where(ok, diff / scale, 0.0)
+    comparisons = SCAN_FACTOR * max(1, math.ceil((len(residual) - warmup - reach) / w))
+    # a mean of w steps has 1/w of the steps' excess kurtosis: its Student-t dof grow with w
+    window_tail = math.inf if model.tail_dof >= 100 else 4 + (model.tail_dof - 4) * w
+    q = quantile(level / comparisons, min(model.step_dof, window_tail, model.wander_dof[w]))
+    exc = [Excursion(step=int(steps[ends[i]]), window=w, residual=float(diff[i]), scale=float(scale[i]),
+                     z=float(z[i]), threshold=q) for i in np.flatnonzero(np.abs(z) > q)]
+    return Decision(test=f"window{w}", comparisons=comparisons, level=level, threshold=q, failures=len(exc),
+                    excursions=tuple(_first_per_run(exc, steps)[:limit]),
+                    worst=max(exc, key=lambda e: abs(e.z)) if exc else None)
 
 
 def _first_per_run(excursions: Sequence[Excursion], steps: np.ndarray) -> list[Excursion]:
