@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import io
+import json
 import math
 import pickle
 import uuid
@@ -37,6 +38,8 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
 from checkpoint.formats.dcp_layout import DCPLayout, find_layout, optimizer_item, param_groups, param_name
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.paths import inside
+from checkpoint.state.training_state import (CLIENT_STATE_KEY, COUNTERS, STATE_REPORT_FILE, StateEntry,
+                                             our_client_state, report_dict)
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
 FORMAT = "dcp"
@@ -368,6 +371,24 @@ def _dataloader_at(values: dict[str, Any], world: int) -> tuple[dict[str, Any], 
                  f"--checkpoint.exclude_from_loading dataloader (the data stream restarts)")
 
 
+def state_report(source: CheckpointIndex, values: Mapping[str, Any], note: str | None, world: int) -> dict[str, Any]:
+    """The conversion's report of the training state a DCP target holds (`STATE_REPORT_FILE`); pure.
+    DCP holds no per-rank RNG state: `absent` when the source held none either, else `dropped`."""
+    client = our_client_state(source.meta)
+    entries = [StateEntry(state="rng", policy="dropped", reason="the source holds per-rank RNG states; a DCP "
+                                                                "checkpoint of this layout holds none") if client.get("rng")
+               else StateEntry(state="rng", policy="absent", reason="the source holds no RNG state")]
+    if CLIENT_STATE_KEY in values:
+        entries.append(StateEntry(state="data position", policy="carry",
+                                  reason="the sampler's global position (consumed samples, epoch) is layout-independent"))
+    if note:
+        entries.append(StateEntry(state="dataloader", policy="not written", reason=note))
+    for key, why in COUNTERS.items():
+        if source.meta.get(key) is not None:
+            entries.append(StateEntry(state=key, policy="carry", reason=why))
+    return report_dict(entries, source=str(source.meta.get("layout", source.format)), target=f"dcp dp{world}")
+
+
 def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -> TargetSpec:
     """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
     `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). A source that keeps Adam's
@@ -401,6 +422,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
                 chunks.append(ChunkRef(file=data_file(r), key=bkey, offsets=offs, lengths=lens))
             entries.append(TensorEntry(key=key, shape=shp, dtype=dt, chunks=tuple(chunks)))
     values, note = _dataloader_at(_values_from(source, names, layout), world)
+    report = state_report(source, values, note, world)
     step = derived_step(source)  # a source with Adam's step per param group (Megatron): one per param here
     derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP), layout)), step]
                                        for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
@@ -413,7 +435,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
             + [[path, [], STEP_DTYPE] for path, _ in derived]
             + [[path, list(t.shape), dtype_name(t.dtype)] for path, t in value_tensors],
             "derived_steps": derived + value_tensors, "whole_tensors": [_fqn(p) for p, _ in derived + value_tensors],
-            "dcp_layout": layout, **({"start_note": note} if note else {})}
+            "dcp_layout": layout, "state_report": report, **({"start_note": note} if note else {})}
     files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
@@ -488,7 +510,8 @@ class DCPWriter:
                 storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
         md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
-        return {METADATA: pickle.dumps(md)}
+        files = {STATE_REPORT_FILE: json.dumps(meta["state_report"], indent=1).encode()} if meta.get("state_report") else {}
+        return files | {METADATA: pickle.dumps(md)}  # .metadata last: DCP's commit point
 
 
 # ---------------------------------------------------------------- registration

@@ -16,6 +16,19 @@ Optimizer and weight faults (what the convergence gate must see in the loss and 
 * `reset_lr`: the LR scheduler back at step 0 (warm-up restarts);
 * `nan_weights`: one fp32 master weight set to NaN;
 * `scale_weights`: every fp32 master weight multiplied by 8 (activations and gradients blow up).
+Faults that only the state check at load sees at once (a converter's subtle mistakes):
+* `reset_step`: every Adam step counter back to 0, the moments kept (bias correction restarts);
+* `perturb_master`: one fp32 master tensor multiplied by (1 + 1e-4);
+* `round_master_bf16`: every fp32 master tensor rounded to bf16 (a converter that went through the
+  bf16 weights);
+* `swap_partitions`: two ranks' optimizer partitions exchanged (DeepSpeed: the first two ranks'
+  optimizer files; DCP and Megatron-Core: the first two chunks of each sharded tensor's items);
+* `swap_glu_halves`: the gate and up halves of every fused GLU weight exchanged, weights, master and
+  moments alike (Megatron-Core `linear_fc1`; a converter that merged them in the wrong order; Megatron-LM
+  legacy files: the weights, and only without `distrib_optim.pt`).
+DeepSpeed takes every fault except `swap_glu_halves` (its GLU is not fused); Megatron-Core torch_dist and
+legacy files take every fault except `reset_lr` (Megatron-Core derives the LR from the iteration); DCP every
+fault except `reset_rng` (it holds no RNG state) and `swap_glu_halves`.
 Never used by a conversion; only tests and the resume stage's `fault` option call them.
 """
 
@@ -24,6 +37,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -35,9 +49,12 @@ from checkpoint.errors import CheckpointFormatError
 from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
-Fault = Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights", "scale_weights"]
+Fault = Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights", "scale_weights",
+                "reset_step", "perturb_master", "round_master_bf16", "swap_partitions", "swap_glu_halves"]
 FAULTS: tuple[str, ...] = ("shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
-                           "scale_weights")
+                           "scale_weights", "reset_step", "perturb_master", "round_master_bf16", "swap_partitions",
+                           "swap_glu_halves")
+PERTURBATION = 1e-4  # perturb_master's relative change
 _CLIENT_FAULTS = ("shift_data", "reset_rng")
 _FP32_MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")
 
@@ -83,7 +100,11 @@ def _edit_adam_states(node: Any, fault: str) -> int:
     """Apply an optimizer fault to every Adam state dict under ``node``; returns how many were edited."""
     if isinstance(node, dict):
         if "exp_avg" in node and "exp_avg_sq" in node:
-            if fault == "swap_moments":
+            if fault == "reset_step":
+                if "step" not in node:
+                    return 0
+                node["step"] = torch.zeros_like(node["step"]) if isinstance(node["step"], torch.Tensor) else 0
+            elif fault == "swap_moments":
                 node["exp_avg"], node["exp_avg_sq"] = node["exp_avg_sq"], node["exp_avg"]
             else:  # drop_optimizer
                 node["exp_avg"] = torch.zeros_like(node["exp_avg"])
@@ -97,29 +118,49 @@ def _edit_adam_states(node: Any, fault: str) -> int:
     return 0
 
 
+def _edit_master_tensor(tensor: torch.Tensor, fault: str) -> None:
+    """Apply a weight fault to one fp32 master tensor in place."""
+    with torch.no_grad():
+        if fault == "nan_weights":
+            tensor.view(-1)[0] = float("nan")
+        elif fault == "scale_weights":
+            tensor.mul_(8.0)
+        elif fault == "perturb_master":
+            tensor.mul_(1.0 + PERTURBATION)
+        elif fault == "round_master_bf16":
+            tensor.copy_(tensor.to(torch.bfloat16).to(tensor.dtype))
+        else:
+            raise ValueError(f"{fault!r} is not a weight fault")
+
+
 def _edit_fp32_master(node: Any, fault: str) -> int:
-    """Apply a weight fault to the fp32 master partitions under ``node``; returns the tensors edited."""
+    """Apply a weight fault to the fp32 master partitions under ``node`` (`perturb_master`: the first only);
+    returns the tensors edited."""
     count = 0
     if isinstance(node, dict):
         for key, value in node.items():
             if key in _FP32_MASTER_KEYS:
                 for tensor in value:
-                    if fault == "nan_weights":
-                        tensor.view(-1)[0] = float("nan")
-                    else:  # scale_weights
-                        tensor.mul_(8.0)
+                    _edit_master_tensor(tensor, fault)
                     count += 1
+                    if fault == "perturb_master":
+                        return count
             else:
                 count += _edit_fp32_master(value, fault)
+            if count and fault == "perturb_master":
+                return count
     elif isinstance(node, (list, tuple)):
-        count += sum(_edit_fp32_master(v, fault) for v in node)
+        for v in node:
+            count += _edit_fp32_master(v, fault)
+            if count and fault == "perturb_master":
+                return count
     return count
 
 
-def _splice_objects(root: Path, replace: Mapping[str, bytes]) -> list[Path]:
-    """Rewrite the DCP objects named in `replace` (fqn -> new serialized bytes) inside their `.distcp`
-    files, shifting every later item of those files, and rewrite `.metadata` with the new byte ranges.
-    Each file is written to a temporary name and renamed; returns the files changed."""
+def _splice_objects(root: Path, replace: Mapping[Any, bytes]) -> list[Path]:
+    """Rewrite the DCP items named in `replace` (an fqn, or one item's `MetadataIndex` -> new serialized
+    bytes) inside their `.distcp` files, shifting every later item of those files, and rewrite `.metadata`
+    with the new byte ranges. Each file is written to a temporary name and renamed; returns the files changed."""
     import dataclasses
     import os
     import pickle
@@ -129,8 +170,11 @@ def _splice_objects(root: Path, replace: Mapping[str, bytes]) -> list[Path]:
     by_file: dict[str, list[Any]] = {}
     for idx, info in md.storage_data.items():
         by_file.setdefault(info.relative_path, []).append(idx)
-    touched = {md.storage_data[idx].relative_path for idx in md.storage_data if idx.fqn in replace}
-    missing = set(replace) - {idx.fqn for idx in md.storage_data}
+    def new_bytes(idx: Any) -> bytes | None:
+        return replace.get(idx, replace.get(idx.fqn))
+
+    touched = {md.storage_data[idx].relative_path for idx in md.storage_data if new_bytes(idx) is not None}
+    missing = set(replace) - {idx.fqn for idx in md.storage_data} - set(md.storage_data)
     if missing:
         raise CheckpointFormatError(f"{root}/.metadata: no stored objects {sorted(missing)}")
     def copy(src: Any, dst: Any, n: int) -> None:  # n bytes, in bounded chunks
@@ -149,8 +193,8 @@ def _splice_objects(root: Path, replace: Mapping[str, bytes]) -> list[Path]:
                 info = md.storage_data[idx]
                 copy(src, dst, info.offset - src.tell())  # any bytes between items stay as they are
                 start = dst.tell()
-                if idx.fqn in replace:
-                    dst.write(replace[idx.fqn])
+                if new_bytes(idx) is not None:
+                    dst.write(new_bytes(idx))
                     src.seek(info.length, os.SEEK_CUR)
                 else:
                     copy(src, dst, info.length)
@@ -171,9 +215,21 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     from checkpoint.formats.megatron import RNG_OBJECT_RE
     from checkpoint.state.rng import from_megatron, to_megatron
 
+    if fault == "reset_lr":
+        raise CheckpointFormatError(f"{root}: fault reset_lr does not apply to a Megatron-Core checkpoint (its LR is "
+                                    f"a function of the iteration)")
     if fault not in _CLIENT_FAULTS:
-        raise CheckpointFormatError(f"{root}: fault {fault!r} applies to DeepSpeed checkpoints; a Megatron-Core "
-                                    f"checkpoint takes {', '.join(_CLIENT_FAULTS)}")
+        changed = []
+        if fault in ("reset_step", "drop_optimizer"):
+            common = safe_load.load(root / "common.pt")
+            if _reset_param_group_steps(common.get("optimizer")):
+                torch.save(common, root / "common.pt")
+                changed.append(root / "common.pt")
+        if fault == "reset_step":
+            if not changed:
+                raise CheckpointFormatError(f"{root / 'common.pt'}: no optimizer param_groups step to reset")
+            return changed
+        return changed + _inject_dcp_tensors(root, fault)
     common = safe_load.load(root / "common.pt")
     ours = common.get(CLIENT_STATE_KEY)
     if not isinstance(ours, Mapping) or "sampler" not in ours:
@@ -198,20 +254,290 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     return _splice_objects(root, replace)
 
 
+def _reset_param_group_steps(node: Any) -> int:
+    """Set every `step` of the optimizer param_groups under `node` to 0; returns how many."""
+    count = 0
+    if isinstance(node, dict):
+        for group in node.get("param_groups", []) if isinstance(node.get("param_groups"), list) else []:
+            if isinstance(group, dict) and "step" in group:
+                group["step"] = 0.0 if not isinstance(group["step"], torch.Tensor) else torch.zeros_like(group["step"])
+                count += 1
+        count += sum(_reset_param_group_steps(v) for k, v in node.items() if k != "param_groups")
+    return count
+
+
+_MEGATRON_STATE = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|param|fp32_param)\.(.+)$")
+_TORCH_STATE = re.compile(r"optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
+
+
+def _tensor_role(fqn: str) -> tuple[str, str]:
+    """(role, parameter) of a DCP tensor item: role one of weight, master, exp_avg, exp_avg_sq, step, other;
+    Megatron-Core's keys (`optimizer.state.<kind>.<param>`) and torch's (`optimizer.state.<param>.<kind>`)."""
+    m = _MEGATRON_STATE.match(fqn)
+    if m:
+        return ("master" if m.group(1) in ("param", "fp32_param") else m.group(1)), m.group(2)
+    m = _TORCH_STATE.match(fqn)
+    if m:
+        return m.group(2), m.group(1)
+    if fqn.startswith("optimizer.") or fqn.startswith("lr_scheduler.") or fqn.startswith("migrate."):
+        return "other", fqn
+    return "weight", fqn.removeprefix("model.")
+
+
+def _inject_dcp_tensors(root: Path, fault: str) -> list[Path]:
+    """A tensor fault on a DCP-format checkpoint (Megatron-Core torch_dist or torch DCP), spliced into its files.
+    The master is Megatron's `optimizer.state.param` where present, else the model's fp32 weights."""
+    import io
+
+    from checkpoint.execute import load_range
+
+    md = safe_load.read_dcp_metadata(root)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    items = {idx: info for idx, info in md.storage_data.items()
+             if isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata)}
+    roles = {idx: _tensor_role(idx.fqn) for idx in items}
+    has_master = any(role == "master" for role, _ in roles.values())
+    master_role = "master" if has_master else "weight"
+
+    def load(idx: Any) -> torch.Tensor:
+        info = items[idx]
+        return load_range(root / info.relative_path, int(info.offset), int(info.length))
+
+    def save(tensor: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        return buf.getvalue()
+
+    replace: dict[Any, bytes] = {}
+    ordered = sorted(items, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0))
+    if fault in ("swap_moments", "drop_optimizer"):
+        by_key = {(roles[i][1], tuple(i.offset or ())): i for i in ordered if roles[i][0] == "exp_avg_sq"}
+        for idx in ordered:
+            role, param = roles[idx]
+            if role == "step" and fault == "drop_optimizer":
+                replace[idx] = save(torch.zeros_like(load(idx)))
+            if role != "exp_avg":
+                continue
+            other = by_key.get((param, tuple(idx.offset or ())))
+            if other is None:
+                continue
+            if fault == "swap_moments":
+                replace[idx], replace[other] = save(load(other)), save(load(idx))
+            else:
+                replace[idx], replace[other] = save(torch.zeros_like(load(idx))), save(torch.zeros_like(load(other)))
+    elif fault == "reset_step":
+        replace = {idx: save(torch.zeros_like(load(idx))) for idx in ordered if roles[idx][0] == "step"}
+    elif fault in ("nan_weights", "scale_weights", "perturb_master", "round_master_bf16"):
+        for idx in ordered:
+            if roles[idx][0] != master_role or not load(idx).is_floating_point():
+                continue
+            tensor = load(idx).clone()
+            _edit_master_tensor(tensor, fault)
+            replace[idx] = save(tensor)
+            if fault == "perturb_master":
+                break
+    elif fault == "swap_partitions":
+        by_fqn: dict[str, list[Any]] = {}
+        for idx in ordered:
+            if roles[idx][0] in ("master", "exp_avg", "exp_avg_sq"):
+                by_fqn.setdefault(idx.fqn, []).append(idx)
+        for chunks in by_fqn.values():
+            if len(chunks) >= 2 and md.storage_data[chunks[0]].length == md.storage_data[chunks[1]].length:
+                first, second = load(chunks[0]), load(chunks[1])
+                if first.shape == second.shape:
+                    replace[chunks[0]], replace[chunks[1]] = save(second), save(first)
+    elif fault == "swap_glu_halves":
+        for idx in ordered:
+            if roles[idx][1].endswith("linear_fc1.weight"):
+                tensor = load(idx)
+                rows = tensor.shape[-2]
+                if rows % 2:
+                    continue
+                half = rows // 2
+                swapped = torch.cat([tensor.narrow(-2, half, half), tensor.narrow(-2, 0, half)], dim=-2)
+                replace[idx] = save(swapped.contiguous())
+    else:
+        raise CheckpointFormatError(f"{root}: fault {fault!r} has no DCP form")
+    if not replace:
+        raise CheckpointFormatError(f"{root}: nothing to apply fault {fault!r} to (tensor items: "
+                                    f"{sorted({r for r, _ in roles.values()})})")
+    return _splice_objects(root, replace)
+
+
+def _inject_dcp_counters(root: Path, fault: str, batches: int) -> list[Path]:
+    """`shift_data` (ours: `migrate.sampler.*`) or `reset_lr` (`lr_scheduler.*` step counters) on a torch DCP
+    checkpoint, its values spliced into its files; `reset_rng` has nothing to replace (DCP holds no RNG)."""
+    import io
+
+    from checkpoint.execute import load_range
+
+    md = safe_load.read_dcp_metadata(root)
+    values = {idx.fqn: idx for idx in md.storage_data}
+
+    def load(fqn: str) -> Any:
+        info = md.storage_data[values[fqn]]
+        return load_range(root / info.relative_path, int(info.offset), int(info.length))
+
+    def save(value: Any) -> bytes:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    replace: dict[Any, bytes] = {}
+    if fault == "reset_lr":
+        replace = {fqn: save(0) for fqn in values if fqn in ("lr_scheduler.last_step", "lr_scheduler.last_epoch")}
+    elif fault == "shift_data":
+        prefix = f"{CLIENT_STATE_KEY}.sampler."
+        sampler = {fqn.removeprefix(prefix): load(fqn) for fqn in values if fqn.startswith(prefix)}
+        if {"consumed_samples", "global_batch_size", "dataset_size"} <= set(sampler):
+            shifted = shift_data({"sampler": sampler}, batches)["sampler"]
+            replace = {prefix + k: save(shifted[k]) for k in ("consumed_samples", "epoch") if prefix + k in values}
+    if not replace:
+        raise CheckpointFormatError(f"{root}: nothing to apply fault {fault!r} to (DCP items "
+                                    f"{sorted(f for f in values if not f.startswith(('model.', 'optimizer.')))})")
+    return _splice_objects(root, replace)
+
+
+def _edit_distopt_master(node: Any, fault: str) -> int:
+    """A weight fault on the fp32 master (`param`) of Megatron-Core's DistributedOptimizer parameter state
+    (dicts holding `param`, `exp_avg`, `exp_avg_sq`); `perturb_master`: the first only."""
+    if isinstance(node, dict):
+        if "param" in node and "exp_avg" in node and isinstance(node["param"], torch.Tensor):
+            _edit_master_tensor(node["param"], fault)
+            return 1
+        count = 0
+        for value in node.values():
+            count += _edit_distopt_master(value, fault)
+            if count and fault == "perturb_master":
+                break
+        return count
+    if isinstance(node, (list, tuple)):
+        count = 0
+        for value in node:
+            count += _edit_distopt_master(value, fault)
+            if count and fault == "perturb_master":
+                break
+        return count
+    return 0
+
+
+def _swap_glu_halves(state: dict) -> int:
+    """Exchange the two halves of every fused `linear_fc1.weight` in a legacy model file's chunk(s)."""
+    count = 0
+    for key, chunk in state.items():
+        if not (key == "model" or re.fullmatch(r"model\d+", key)) or not isinstance(chunk, dict):
+            continue
+        for name, tensor in chunk.items():
+            if name.endswith("linear_fc1.weight") and isinstance(tensor, torch.Tensor) and tensor.shape[0] % 2 == 0:
+                half = tensor.shape[0] // 2
+                chunk[name] = torch.cat([tensor[half:], tensor[:half]]).contiguous()
+                count += 1
+    return count
+
+
+def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
+    """A fault on Megatron-LM's legacy per-rank files (`mp_rank_*/model_optim_rng.pt`, `distrib_optim.pt`).
+    `swap_glu_halves` edits the model's weights (refused with the distributed optimizer's flat buffers, which
+    the load copies into the weights);
+    `swap_partitions` exchanges the first two rank directories' optimizer files."""
+    from checkpoint.formats.megatron_legacy import MODEL_FILE, RANK_DIR_RE
+    from checkpoint.state.rng import from_megatron, to_megatron
+
+    if fault == "reset_lr":
+        raise CheckpointFormatError(f"{root}: fault reset_lr does not apply to a Megatron checkpoint (its LR is a "
+                                    f"function of the iteration)")
+    ranks = sorted(p for p in root.iterdir() if RANK_DIR_RE.match(p.name) and (p / MODEL_FILE).is_file())
+    optim_files = [p / "distrib_optim.pt" for p in ranks if (p / "distrib_optim.pt").is_file()]
+    if fault == "swap_glu_halves" and optim_files:
+        raise CheckpointFormatError(f"{root}: swap_glu_halves on legacy files needs them without distrib_optim.pt "
+                                    f"(with it, the load takes the weights from its flat fp32 buffers)")
+    if fault == "swap_partitions":
+        if len(optim_files) < 2 or optim_files[0].stat().st_size != optim_files[1].stat().st_size:
+            raise CheckpointFormatError(f"{root}: swap_partitions needs two equal-sized distrib_optim.pt files, found "
+                                        f"{[str(f.relative_to(root)) for f in optim_files]}")
+        a, b = optim_files[0].read_bytes(), optim_files[1].read_bytes()
+        optim_files[0].write_bytes(b)
+        optim_files[1].write_bytes(a)
+        return optim_files[:2]
+    changed: list[Path] = []
+    for rank in ranks:
+        path = rank / MODEL_FILE
+        state = safe_load.load(path)
+        edited = 0
+        if fault == "shift_data" and CLIENT_STATE_KEY in state:
+            state[CLIENT_STATE_KEY] = shift_data(state[CLIENT_STATE_KEY], batches)
+            edited = 1
+        elif fault == "reset_rng" and state.get("rng_state"):
+            ours = state.get(CLIENT_STATE_KEY) or {}
+            states = [from_megatron(st, where=f"{path}: rng_state") for st in state["rng_state"]]
+            fresh = reset_rng({"sampler": ours["sampler"], "rng": states})["rng"]
+            state["rng_state"] = [to_megatron(st) for st in fresh]
+            edited = 1
+        elif fault in ("reset_step", "drop_optimizer"):
+            edited = _reset_param_group_steps(state.get("optimizer")) + (
+                _edit_adam_states(state.get("optimizer"), fault) if fault == "drop_optimizer" else 0)
+        elif fault == "swap_glu_halves":
+            edited = _swap_glu_halves(state)
+        elif fault in ("swap_moments",):
+            edited = _edit_adam_states(state.get("optimizer"), fault)
+        if edited:
+            torch.save(state, path)
+            changed.append(path)
+    if fault in ("drop_optimizer", "swap_moments", "nan_weights", "scale_weights", "perturb_master",
+                 "round_master_bf16"):
+        for path in optim_files:
+            raw = safe_load.load(path)
+            if fault in ("drop_optimizer", "swap_moments"):
+                edited = _edit_adam_states(raw, fault)
+            else:
+                edited = _edit_distopt_master(raw, fault)
+            if edited:
+                torch.save(raw, path)
+                changed.append(path)
+                if fault == "perturb_master":
+                    break
+    if not changed:
+        raise CheckpointFormatError(f"{root}: nothing to apply fault {fault!r} to")
+    return changed
+
+
 def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> list[Path]:
     """Apply `fault` to the checkpoint at `checkpoint` in place (DeepSpeed: a save dir with `latest`, or a
     tag dir; Megatron-Core: an `iter_*` dir or a save dir naming one); update `manifest.json` when
     present. Returns the files changed. Apply it to a copy: the source stays as it was only then."""
+    from checkpoint.formats.dcp import is_dcp_checkpoint
     from checkpoint.formats.deepspeed import resolve_tag_dir
     from checkpoint.formats.megatron import is_megatron_checkpoint, resolve_iteration_dir
+    from checkpoint.formats.megatron_legacy import is_legacy_checkpoint
 
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     if is_megatron_checkpoint(checkpoint):
         root = resolve_iteration_dir(checkpoint)
         return _update_manifest(root, _inject_megatron(root, fault, batches))
+    if is_legacy_checkpoint(checkpoint):
+        root = resolve_iteration_dir(checkpoint)
+        return _update_manifest(root, _inject_legacy(root, fault, batches))
+    if is_dcp_checkpoint(Path(checkpoint)):
+        root = Path(checkpoint)
+        if fault in _CLIENT_FAULTS or fault == "reset_lr":
+            return _update_manifest(root, _inject_dcp_counters(root, fault, batches))
+        return _update_manifest(root, _inject_dcp_tensors(root, fault))
+    if fault == "swap_glu_halves":
+        raise CheckpointFormatError(f"{checkpoint}: fault swap_glu_halves applies to Megatron-Core checkpoints (fused "
+                                    f"linear_fc1); a DeepSpeed model's GLU is not fused")
     root, tag = resolve_tag_dir(checkpoint)
     changed = []
+    if fault == "swap_partitions":
+        files = sorted((root / tag).glob("*optim_states.pt"))
+        if len(files) < 2:
+            raise CheckpointFormatError(f"{root / tag}: swap_partitions needs two ranks' optimizer files, found "
+                                        f"{[f.name for f in files]}")
+        a, b = files[0].read_bytes(), files[1].read_bytes()
+        files[0].write_bytes(b)
+        files[1].write_bytes(a)
+        return _update_manifest(root, files[:2])
     if fault in _CLIENT_FAULTS or fault == "reset_lr":
         for path in sorted((root / tag).glob("*model_states.pt")):
             state = safe_load.load(path)
@@ -230,7 +556,7 @@ def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> l
             torch.save(state, path)
             changed.append(path)
     else:
-        edit = _edit_adam_states if fault in ("drop_optimizer", "swap_moments") else _edit_fp32_master
+        edit = _edit_adam_states if fault in ("drop_optimizer", "swap_moments", "reset_step") else _edit_fp32_master
         for path in sorted((root / tag).glob("*optim_states.pt")):
             state = safe_load.load(path)
             if edit(state, fault):
@@ -242,12 +568,14 @@ def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> l
 
 
 def _update_manifest(root: Path, changed: list[Path]) -> list[Path]:
-    """Re-hash the changed files in `root/manifest.json` (when there is one); returns `changed`."""
-    manifest = root / "manifest.json"
-    if manifest.is_file():
+    """Re-hash the changed files in the `manifest.json` of `root` or of its parent (a save dir above an
+    `iter_*` dir), when there is one; returns `changed`."""
+    base = next((d for d in (root, root.parent) if (d / "manifest.json").is_file()), None)
+    if base is not None:
+        manifest = base / "manifest.json"
         record = json.loads(manifest.read_text())
         for path in changed:
-            rel = str(path.relative_to(root))
+            rel = str(path.relative_to(base))
             if rel in record.get("files", {}):
                 record["files"][rel] = {"bytes": path.stat().st_size,
                                         "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}

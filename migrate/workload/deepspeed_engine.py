@@ -97,6 +97,7 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     start_step = 0
     seed_rng(train.seed, role)
     rng_note = "seeded"
+    loaded = None
     if spec.load_dir:
         load_dir, tag = deepspeed_load_target(spec.load_dir)
         path, client = engine.load_checkpoint(load_dir, tag=tag)
@@ -107,6 +108,10 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
                                                       global_batch_size=train.global_batch_size, where=str(path))
         if engine.global_steps != start_step:
             raise RuntimeError(f"{path}: engine.global_steps({engine.global_steps}) != client step({start_step})")
+        if spec.print_loaded_state:
+            from migrate.workload.state_print import deepspeed_state_print
+
+            loaded = deepspeed_state_print(engine, {"data": sampler.state_dict()}).as_dict()
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
     dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
@@ -152,4 +157,4 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     finally:
         log.close()
     return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra(rng_restore=rng_note))
+                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra(rng_restore=rng_note, state_print=loaded))

@@ -101,6 +101,7 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     scheduler = ScheduledLR(optimizer, train.lr_schedule, opt.lr)
     sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size, global_batch_size=train.global_batch_size)
     start_step = 0
+    loaded = None
     if spec.load_dir:
         # get_optimizer_state_dict initialises the (empty) Adam state, so DCP has targets to load into.
         state = _state(model, optimizer, scheduler, sampler, 0, None)
@@ -110,6 +111,11 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
         scheduler.load_state_dict(state["lr_scheduler"])
         sampler = SamplerState.from_state_dict(state["migrate"]["sampler"])
         start_step = int(state["migrate"]["step"])
+        if spec.print_loaded_state:
+            from migrate.workload.state_print import fsdp_state_print
+
+            loaded = fsdp_state_print(model, optimizer, {"lr_scheduler": scheduler.state_dict(), "iteration": start_step,
+                                                         "data": sampler.state_dict()}).as_dict()
     dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
     log = MetricsLog(spec.metrics_path, enabled=rank == 0)
@@ -157,4 +163,4 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
         log.close()
     return RankResult(rank=rank, engine="fsdp", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped,
-                      extra=trace.extra(dp=dp, tp=spec.tp, sequence_parallel=spec.sequence_parallel))
+                      extra=trace.extra(dp=dp, tp=spec.tp, sequence_parallel=spec.sequence_parallel, state_print=loaded))

@@ -513,13 +513,20 @@ def _train(ctx: Any, spec: RunSpec) -> RankResult:
 
             load = load_legacy_checkpoint if is_legacy_checkpoint(spec.load_dir) else load_checkpoint  # mp_rank_* dirs
             start_step, sampler = load(chunks, optimizer, sampler, spec.load_dir, device_type=ctx.device_type)
-        return _loop(ctx, spec, chunks, optimizer, sampler, start_step, get_forward_backward_func())
+        loaded = None
+        if spec.load_dir and spec.print_loaded_state:
+            from migrate.workload.state_print import megatron_state_print
+
+            loaded = megatron_state_print(chunks, optimizer, vocab_size=model_spec.vocab_size,
+                                          distributed_optimizer=spec.distributed_optimizer,
+                                          values={"iteration": start_step, "data": sampler.state_dict()}).as_dict()
+        return _loop(ctx, spec, chunks, optimizer, sampler, start_step, get_forward_backward_func(), loaded)
     finally:
         ps.destroy_model_parallel()
 
 
 def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: SamplerState, start_step: int,
-          forward_backward: Any) -> RankResult:
+          forward_backward: Any, state_print: dict | None = None) -> RankResult:
     from megatron.core import parallel_state as ps
 
     train, model_spec = spec.train, spec.model
@@ -582,4 +589,4 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
     return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped,
                       extra=trace.extra(tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, dp=dp,
-                                        distributed_optimizer=spec.distributed_optimizer))
+                                        distributed_optimizer=spec.distributed_optimizer, state_print=state_print))

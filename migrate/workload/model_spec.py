@@ -187,6 +187,7 @@ class RunSpec:
     metrics_path: str | None = None
     stop_on_nonfinite: bool = True
     checkpoint_format: Literal["torch_dist", "torch"] = "torch_dist"  # megatron: dist or legacy per-rank files
+    print_loaded_state: bool = True  # after a load, before step 1: RankResult.extra["state_print"] (collective)
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in ("torch_dist", "torch"):
