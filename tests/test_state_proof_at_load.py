@@ -130,6 +130,7 @@ MATRIX = {
     "swap_partitions": {"deepspeed": "optimizer.state.", "megatron": "optimizer.state.",
                         "megatron_legacy": "optimizer.state.", "dcp": "optimizer.state."},
     "swap_glu_halves": {"megatron": "linear_fc1.weight"},
+    "swap_qkv_kv": {"megatron": "linear_qkv.weight"},
 }
 CELLS = [(fault, engine) for fault, engines in MATRIX.items() for engine in engines]
 

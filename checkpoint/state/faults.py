@@ -1,15 +1,15 @@
 """Test hooks: break a converted checkpoint's training state on purpose, so the checks must catch it.
 
 `inject_fault` applies one fault to a checkpoint in place and re-hashes the changed files in its
-manifest (DeepSpeed: every fault; Megatron-Core torch_dist: the two client-state faults, on ours in
-`common.pt` and on Megatron-LM's `rng_state` objects). Client-state faults (what the resume stage
-checks directly):
+manifest: DeepSpeed files, Megatron-Core torch_dist (ours in `common.pt`, Megatron-LM's `rng_state`
+objects, tensors spliced into the `.distcp` files), Megatron-LM legacy per-rank files and torch DCP
+(which faults each takes: below). Client-state faults:
 * `shift_data`: the data position moved on by `batches` global batches (a dataloader that skips
   a batch; the resume stage reports the first step whose samples differ);
 * `reset_rng`: every rank's RNG re-seeded with the plain seed, as a tool that reseeds on load
   does (`random.seed`, `np.random.seed`, `torch.manual_seed`); the resume stage reports the
   ranks whose RNG state differs from the one the checkpoint should carry.
-Optimizer and weight faults (what the convergence gate must see in the loss and grad norm):
+Optimizer and weight faults (the state check at load names them; the gate sees them in the loss):
 * `drop_optimizer`: Adam moments zeroed and its step counter reset, as a resume that loads the
   weights but not the optimizer state;
 * `swap_moments`: exp_avg and exp_avg_sq exchanged;
@@ -25,10 +25,12 @@ Faults that only the state check at load sees at once (a converter's subtle mist
   optimizer files; DCP and Megatron-Core: the first two chunks of each sharded tensor's items);
 * `swap_glu_halves`: the gate and up halves of every fused GLU weight exchanged, weights, master and
   moments alike (Megatron-Core `linear_fc1`; a converter that merged them in the wrong order; Megatron-LM
-  legacy files: the weights, and only without `distrib_optim.pt`).
-DeepSpeed takes every fault except `swap_glu_halves` (its GLU is not fused); Megatron-Core torch_dist and
+  legacy files: the weights, and only without `distrib_optim.pt`);
+* `swap_qkv_kv`: the K and V rows of every query group of every fused QKV weight exchanged, as
+  `swap_glu_halves` (Megatron-Core `linear_qkv`; the head counts from our model spec in `common.pt`).
+DeepSpeed takes every fault except the two fused-weight ones (its QKV and GLU are not fused); Megatron-Core torch_dist and
 legacy files take every fault except `reset_lr` (Megatron-Core derives the LR from the iteration); DCP every
-fault except `reset_rng` (it holds no RNG state) and `swap_glu_halves`.
+fault except `reset_rng` (it holds no RNG state) and the fused-weight ones.
 Never used by a conversion; only tests and the resume stage's `fault` option call them.
 """
 
@@ -50,10 +52,11 @@ from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
 Fault = Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights", "scale_weights",
-                "reset_step", "perturb_master", "round_master_bf16", "swap_partitions", "swap_glu_halves"]
+                "reset_step", "perturb_master", "round_master_bf16", "swap_partitions", "swap_glu_halves",
+                "swap_qkv_kv"]
 FAULTS: tuple[str, ...] = ("shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
                            "scale_weights", "reset_step", "perturb_master", "round_master_bf16", "swap_partitions",
-                           "swap_glu_halves")
+                           "swap_glu_halves", "swap_qkv_kv")
 PERTURBATION = 1e-4  # perturb_master's relative change
 _CLIENT_FAULTS = ("shift_data", "reset_rng")
 _FP32_MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")
@@ -218,19 +221,17 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     if fault == "reset_lr":
         raise CheckpointFormatError(f"{root}: fault reset_lr does not apply to a Megatron-Core checkpoint (its LR is "
                                     f"a function of the iteration)")
+    common = safe_load.load(root / "common.pt")
     if fault not in _CLIENT_FAULTS:
         changed = []
-        if fault in ("reset_step", "drop_optimizer"):
-            common = safe_load.load(root / "common.pt")
-            if _reset_param_group_steps(common.get("optimizer")):
-                torch.save(common, root / "common.pt")
-                changed.append(root / "common.pt")
+        if fault in ("reset_step", "drop_optimizer") and _reset_param_group_steps(common.get("optimizer")):
+            torch.save(common, root / "common.pt")
+            changed.append(root / "common.pt")
         if fault == "reset_step":
             if not changed:
                 raise CheckpointFormatError(f"{root / 'common.pt'}: no optimizer param_groups step to reset")
             return changed
-        return changed + _inject_dcp_tensors(root, fault)
-    common = safe_load.load(root / "common.pt")
+        return changed + _inject_dcp_tensors(root, fault, (common.get(CLIENT_STATE_KEY) or {}).get("model"))
     ours = common.get(CLIENT_STATE_KEY)
     if not isinstance(ours, Mapping) or "sampler" not in ours:
         raise CheckpointFormatError(f"{root / 'common.pt'}: no {CLIENT_STATE_KEY!r} state with a sampler to inject "
@@ -284,7 +285,22 @@ def _tensor_role(fqn: str) -> tuple[str, str]:
     return "weight", fqn.removeprefix("model.")
 
 
-def _inject_dcp_tensors(root: Path, fault: str) -> list[Path]:
+def swap_kv_rows(tensor: torch.Tensor, model: Mapping[str, Any]) -> torch.Tensor:
+    """A fused QKV weight (rows on axis -2: per query group its queries, then K, then V, Megatron-Core's
+    order) with K and V exchanged in every group it holds."""
+    heads, groups = int(model["num_attention_heads"]), int(model.get("num_query_groups") or model["num_attention_heads"])
+    head_dim = int(model["hidden_size"]) // heads
+    per_group = (heads // groups + 2) * head_dim
+    rows = tensor.shape[-2]
+    if rows % per_group:
+        raise CheckpointFormatError(f"fused QKV of {rows} rows is not whole groups of {per_group} rows (heads {heads}, "
+                                    f"groups {groups}, head dim {head_dim})")
+    shaped = tensor.reshape(*tensor.shape[:-2], rows // per_group, heads // groups + 2, head_dim, tensor.shape[-1])
+    q, k, v = shaped[..., :-2, :, :], shaped[..., -2:-1, :, :], shaped[..., -1:, :, :]
+    return torch.cat([q, v, k], dim=-3).reshape(tensor.shape).contiguous()
+
+
+def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None = None) -> list[Path]:
     """A tensor fault on a DCP-format checkpoint (Megatron-Core torch_dist or torch DCP), spliced into its files.
     The master is Megatron's `optimizer.state.param` where present, else the model's fp32 weights."""
     import io
@@ -347,6 +363,13 @@ def _inject_dcp_tensors(root: Path, fault: str) -> list[Path]:
                 first, second = load(chunks[0]), load(chunks[1])
                 if first.shape == second.shape:
                     replace[chunks[0]], replace[chunks[1]] = save(second), save(first)
+    elif fault == "swap_qkv_kv":
+        if model is None:
+            raise CheckpointFormatError(f"{root}: swap_qkv_kv needs the model's head counts (our model spec in "
+                                        f"common.pt), found none")
+        for idx in ordered:
+            if roles[idx][1].endswith("linear_qkv.weight"):
+                replace[idx] = save(swap_kv_rows(load(idx), model))
     elif fault == "swap_glu_halves":
         for idx in ordered:
             if roles[idx][1].endswith("linear_fc1.weight"):
@@ -422,16 +445,23 @@ def _edit_distopt_master(node: Any, fault: str) -> int:
     return 0
 
 
-def _swap_glu_halves(state: dict) -> int:
-    """Exchange the two halves of every fused `linear_fc1.weight` in a legacy model file's chunk(s)."""
+def _swap_fused(state: dict, fault: str) -> int:
+    """`swap_glu_halves` (the halves of every `linear_fc1.weight`) or `swap_qkv_kv` (K and V of every
+    `linear_qkv.weight`) on a legacy model file's chunk(s)."""
     count = 0
+    model = (state.get(CLIENT_STATE_KEY) or {}).get("model")
     for key, chunk in state.items():
         if not (key == "model" or re.fullmatch(r"model\d+", key)) or not isinstance(chunk, dict):
             continue
         for name, tensor in chunk.items():
-            if name.endswith("linear_fc1.weight") and isinstance(tensor, torch.Tensor) and tensor.shape[0] % 2 == 0:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if fault == "swap_glu_halves" and name.endswith("linear_fc1.weight") and tensor.shape[0] % 2 == 0:
                 half = tensor.shape[0] // 2
                 chunk[name] = torch.cat([tensor[half:], tensor[:half]]).contiguous()
+                count += 1
+            elif fault == "swap_qkv_kv" and name.endswith("linear_qkv.weight") and model:
+                chunk[name] = swap_kv_rows(tensor, model)
                 count += 1
     return count
 
@@ -449,8 +479,8 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
                                     f"function of the iteration)")
     ranks = sorted(p for p in root.iterdir() if RANK_DIR_RE.match(p.name) and (p / MODEL_FILE).is_file())
     optim_files = [p / "distrib_optim.pt" for p in ranks if (p / "distrib_optim.pt").is_file()]
-    if fault == "swap_glu_halves" and optim_files:
-        raise CheckpointFormatError(f"{root}: swap_glu_halves on legacy files needs them without distrib_optim.pt "
+    if fault in ("swap_glu_halves", "swap_qkv_kv") and optim_files:
+        raise CheckpointFormatError(f"{root}: {fault} on legacy files needs them without distrib_optim.pt "
                                     f"(with it, the load takes the weights from its flat fp32 buffers)")
     if fault == "swap_partitions":
         if len(optim_files) < 2 or optim_files[0].stat().st_size != optim_files[1].stat().st_size:
@@ -477,8 +507,8 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
         elif fault in ("reset_step", "drop_optimizer"):
             edited = _reset_param_group_steps(state.get("optimizer")) + (
                 _edit_adam_states(state.get("optimizer"), fault) if fault == "drop_optimizer" else 0)
-        elif fault == "swap_glu_halves":
-            edited = _swap_glu_halves(state)
+        elif fault in ("swap_glu_halves", "swap_qkv_kv"):
+            edited = _swap_fused(state, fault)
         elif fault in ("swap_moments",):
             edited = _edit_adam_states(state.get("optimizer"), fault)
         if edited:
@@ -524,9 +554,9 @@ def inject_fault(checkpoint: str | Path, fault: Fault, *, batches: int = 1) -> l
         if fault in _CLIENT_FAULTS or fault == "reset_lr":
             return _update_manifest(root, _inject_dcp_counters(root, fault, batches))
         return _update_manifest(root, _inject_dcp_tensors(root, fault))
-    if fault == "swap_glu_halves":
-        raise CheckpointFormatError(f"{checkpoint}: fault swap_glu_halves applies to Megatron-Core checkpoints (fused "
-                                    f"linear_fc1); a DeepSpeed model's GLU is not fused")
+    if fault in ("swap_glu_halves", "swap_qkv_kv"):
+        raise CheckpointFormatError(f"{checkpoint}: fault {fault} applies to Megatron-Core checkpoints (fused "
+                                    f"linear_fc1 / linear_qkv); a DeepSpeed model's are not fused")
     root, tag = resolve_tag_dir(checkpoint)
     changed = []
     if fault == "swap_partitions":

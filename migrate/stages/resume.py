@@ -44,7 +44,7 @@ class ResumeOptions(StageOptions):
         default_factory=list, description="what may pass unchecked (the report says so); by default nothing unchecked passes")
     fault: Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
                    "scale_weights", "reset_step", "perturb_master", "round_master_bf16", "swap_partitions",
-                   "swap_glu_halves"] | None = Field(
+                   "swap_glu_halves", "swap_qkv_kv"] | None = Field(
         default=None, description="test hook: break a copy of the converted checkpoint (checkpoint.state.faults)")
 
 
