@@ -346,9 +346,11 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
         replace = {idx: save(torch.zeros_like(load(idx))) for idx in ordered if roles[idx][0] == "step"}
     elif fault in ("nan_weights", "scale_weights", "perturb_master", "round_master_bf16"):
         for idx in ordered:
-            if roles[idx][0] != master_role or not load(idx).is_floating_point():
+            if roles[idx][0] != master_role:
                 continue
-            tensor = load(idx).clone()
+            tensor = load(idx)
+            if not tensor.is_floating_point():
+                continue
             _edit_master_tensor(tensor, fault)
             replace[idx] = save(tensor)
             if fault == "perturb_master":
