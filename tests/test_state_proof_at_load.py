@@ -109,7 +109,8 @@ def test_a_correct_conversion_loads_bit_identical_state(prepared, tmp_path, name
 # fault -> per engine: a fragment of a difference the state check names (an engine left out: the fault has no
 # form there). RNG faults are caught by the per-rank RNG check at the same moment (before step 1). Megatron's
 # fp32 master is the model's weight (fp32 training): a master fault shows in both. Legacy files with the
-# distributed optimizer take their weights from the flat fp32 buffers, which the GLU fault hook does not reorder.
+# distributed optimizer take their weights from the flat fp32 buffers, where K and V of a query group are not
+# one contiguous range (the QKV fault hook refuses them).
 MATRIX = {
     "drop_optimizer": {"deepspeed": "optimizer.state.exp_avg.", "megatron": "optimizer.state.exp_avg.",
                        "megatron_legacy": "optimizer.state.exp_avg.", "dcp": "optimizer.state.exp_avg."},
@@ -129,7 +130,7 @@ MATRIX = {
                     "megatron_legacy": "optimizer.state.param.", "dcp": "model."},
     "swap_partitions": {"deepspeed": "optimizer.state.", "megatron": "optimizer.state.",
                         "megatron_legacy": "optimizer.state.", "dcp": "optimizer.state."},
-    "swap_glu_halves": {"megatron": "linear_fc1.weight"},
+    "swap_glu_halves": {"megatron": "linear_fc1.weight", "megatron_legacy": "linear_fc1.weight"},
     "swap_qkv_kv": {"megatron": "linear_qkv.weight"},
 }
 CELLS = [(fault, engine) for fault, engines in MATRIX.items() for engine in engines]

@@ -25,9 +25,10 @@ Faults that only the state check at load sees at once (a converter's subtle mist
   optimizer files; DCP and Megatron-Core: the first two chunks of each sharded tensor's items);
 * `swap_glu_halves`: the gate and up halves of every fused GLU weight exchanged, weights, master and
   moments alike (Megatron-Core `linear_fc1`; a converter that merged them in the wrong order; Megatron-LM
-  legacy files: the weights, and only without `distrib_optim.pt`);
+  legacy files: the weights and the flat buffers of `distrib_optim.pt`);
 * `swap_qkv_kv`: the K and V rows of every query group of every fused QKV weight exchanged, as
-  `swap_glu_halves` (Megatron-Core `linear_qkv`; the head counts from our model spec in `common.pt`).
+  `swap_glu_halves` (Megatron-Core `linear_qkv`; the head counts from our model spec in `common.pt`;
+  legacy files only without `distrib_optim.pt`, whose flat buffers do not hold K and V contiguously).
 DeepSpeed takes every fault except the two fused-weight ones (its QKV and GLU are not fused); Megatron-Core torch_dist and
 legacy files take every fault except `reset_lr` (Megatron-Core derives the LR from the iteration); DCP every
 fault except `reset_rng` (it holds no RNG state) and the fused-weight ones.
@@ -468,10 +469,44 @@ def _swap_fused(state: dict, fault: str) -> int:
     return count
 
 
+def _swap_glu_in_flat_buffers(root: Path) -> list[Path]:
+    """Exchange the gate and up ranges of every GLU weight's fp32 master and moments inside the legacy
+    files' `distrib_optim.pt` flat buffers, where our legacy reader places them (`read_megatron_legacy`)."""
+    import math
+
+    from checkpoint.formats.megatron_legacy import read_megatron_legacy
+    from checkpoint.index import Kind
+
+    index = read_megatron_legacy(root)
+    entries = {(e.key.name, e.key.kind): e for e in index.entries}
+    edits: dict[str, list[tuple[Any, int, int, int]]] = {}
+    for (name, kind), gate in entries.items():
+        if not name.endswith("mlp.gate_proj.weight") or kind not in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+            continue
+        up = entries.get((name.removesuffix("gate_proj.weight") + "up_proj.weight", kind))
+        for a, b in zip(gate.chunks, up.chunks if up else ()):
+            if a.file == b.file and a.key == b.key and a.lengths == b.lengths:
+                edits.setdefault(a.file, []).append((a.key, a.storage_offset, b.storage_offset, math.prod(a.lengths)))
+    changed = []
+    for rel, swaps in sorted(edits.items()):
+        path = Path(index.root) / rel
+        raw = safe_load.load(path)
+        for key, first, second, numel in swaps:
+            flat = raw
+            for k in key:
+                flat = flat[k]
+            kept = flat[first:first + numel].clone()
+            flat[first:first + numel] = flat[second:second + numel]
+            flat[second:second + numel] = kept
+        torch.save(raw, path)
+        changed.append(path)
+    return changed
+
+
 def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
     """A fault on Megatron-LM's legacy per-rank files (`mp_rank_*/model_optim_rng.pt`, `distrib_optim.pt`).
-    `swap_glu_halves` edits the model's weights (refused with the distributed optimizer's flat buffers, which
-    the load copies into the weights);
+    `swap_glu_halves` edits the model's weights and, with the distributed optimizer, the gate and up ranges
+    of its flat buffers (which the load copies into the weights); `swap_qkv_kv` is refused there;
     `swap_partitions` exchanges the first two rank directories' optimizer files."""
     from checkpoint.formats.megatron_legacy import MODEL_FILE, RANK_DIR_RE
     from checkpoint.state.rng import from_megatron, to_megatron
@@ -481,9 +516,10 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
                                     f"function of the iteration)")
     ranks = sorted(p for p in root.iterdir() if RANK_DIR_RE.match(p.name) and (p / MODEL_FILE).is_file())
     optim_files = [p / "distrib_optim.pt" for p in ranks if (p / "distrib_optim.pt").is_file()]
-    if fault in ("swap_glu_halves", "swap_qkv_kv") and optim_files:
-        raise CheckpointFormatError(f"{root}: {fault} on legacy files needs them without distrib_optim.pt "
-                                    f"(with it, the load takes the weights from its flat fp32 buffers)")
+    if fault == "swap_qkv_kv" and optim_files:
+        raise CheckpointFormatError(f"{root}: swap_qkv_kv on legacy files needs them without distrib_optim.pt "
+                                    f"(with it, the load takes the weights from its flat fp32 buffers, where K "
+                                    f"and V of a group are not one contiguous range)")
     if fault == "swap_partitions":
         if len(optim_files) < 2 or optim_files[0].stat().st_size != optim_files[1].stat().st_size:
             raise CheckpointFormatError(f"{root}: swap_partitions needs two equal-sized distrib_optim.pt files, found "
@@ -516,6 +552,8 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
         if edited:
             torch.save(state, path)
             changed.append(path)
+    if fault == "swap_glu_halves" and optim_files:
+        changed += _swap_glu_in_flat_buffers(root)
     if fault in ("drop_optimizer", "swap_moments", "nan_weights", "scale_weights", "perturb_master",
                  "round_master_bf16"):
         for path in optim_files:
