@@ -161,6 +161,15 @@ def _edit_fp32_master(node: Any, fault: str) -> int:
     return count
 
 
+def _serialized(value: Any) -> bytes:
+    """`value` as `torch.save` writes it (the bytes of one DCP item)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 def _splice_objects(root: Path, replace: Mapping[Any, bytes]) -> list[Path]:
     """Rewrite the DCP items named in `replace` (an fqn, or one item's `MetadataIndex` -> new serialized
     bytes) inside their `.distcp` files, shifting every later item of those files, and rewrite `.metadata`
@@ -213,8 +222,6 @@ def _splice_objects(root: Path, replace: Mapping[Any, bytes]) -> list[Path]:
 
 def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     """`shift_data` on ours (`migrate`) in `common.pt`; `reset_rng` on every `rng_state` object."""
-    import io
-
     from checkpoint.execute import load_range
     from checkpoint.formats.megatron import RNG_OBJECT_RE
     from checkpoint.state.rng import from_megatron, to_megatron
@@ -248,9 +255,7 @@ def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
             value = load_range(root / info.relative_path, int(info.offset), int(info.length))
             states = [from_megatron(st, where=f"{root}: {idx.fqn}") for st in value[0]]
             fresh = reset_rng({"sampler": ours["sampler"], "rng": states})["rng"]
-            buf = io.BytesIO()
-            torch.save([[to_megatron(st) for st in fresh]], buf)
-            replace[idx.fqn] = buf.getvalue()
+            replace[idx.fqn] = _serialized([[to_megatron(st) for st in fresh]])
     if not replace:
         raise CheckpointFormatError(f"{root}: no rng_state objects to inject reset_rng into")
     return _splice_objects(root, replace)
@@ -260,7 +265,8 @@ def _reset_param_group_steps(node: Any) -> int:
     """Set every `step` of the optimizer param_groups under `node` to 0; returns how many."""
     count = 0
     if isinstance(node, dict):
-        for group in node.get("param_groups", []) if isinstance(node.get("param_groups"), list) else []:
+        groups = node.get("param_groups")
+        for group in groups if isinstance(groups, list) else ():
             if isinstance(group, dict) and "step" in group:
                 group["step"] = 0.0 if not isinstance(group["step"], torch.Tensor) else torch.zeros_like(group["step"])
                 count += 1
@@ -304,8 +310,6 @@ def swap_kv_rows(tensor: torch.Tensor, model: Mapping[str, Any]) -> torch.Tensor
 def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None = None) -> list[Path]:
     """A tensor fault on a DCP-format checkpoint (Megatron-Core torch_dist or torch DCP), spliced into its files.
     The master is Megatron's `optimizer.state.param` where present, else the model's fp32 weights."""
-    import io
-
     from checkpoint.execute import load_range
 
     md = safe_load.read_dcp_metadata(root)
@@ -321,11 +325,6 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
         info = items[idx]
         return load_range(root / info.relative_path, int(info.offset), int(info.length))
 
-    def save(tensor: torch.Tensor) -> bytes:
-        buf = io.BytesIO()
-        torch.save(tensor, buf)
-        return buf.getvalue()
-
     replace: dict[Any, bytes] = {}
     ordered = sorted(items, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0))
     if fault in ("swap_moments", "drop_optimizer"):
@@ -333,18 +332,18 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
         for idx in ordered:
             role, param = roles[idx]
             if role == "step" and fault == "drop_optimizer":
-                replace[idx] = save(torch.zeros_like(load(idx)))
+                replace[idx] = _serialized(torch.zeros_like(load(idx)))
             if role != "exp_avg":
                 continue
             other = by_key.get((param, tuple(idx.offset or ())))
             if other is None:
                 continue
             if fault == "swap_moments":
-                replace[idx], replace[other] = save(load(other)), save(load(idx))
+                replace[idx], replace[other] = _serialized(load(other)), _serialized(load(idx))
             else:
-                replace[idx], replace[other] = save(torch.zeros_like(load(idx))), save(torch.zeros_like(load(other)))
+                replace[idx], replace[other] = _serialized(torch.zeros_like(load(idx))), _serialized(torch.zeros_like(load(other)))
     elif fault == "reset_step":
-        replace = {idx: save(torch.zeros_like(load(idx))) for idx in ordered if roles[idx][0] == "step"}
+        replace = {idx: _serialized(torch.zeros_like(load(idx))) for idx in ordered if roles[idx][0] == "step"}
     elif fault in ("nan_weights", "scale_weights", "perturb_master", "round_master_bf16"):
         for idx in ordered:
             if roles[idx][0] != master_role:
@@ -353,7 +352,7 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
             if not tensor.is_floating_point():
                 continue
             _edit_master_tensor(tensor, fault)
-            replace[idx] = save(tensor)
+            replace[idx] = _serialized(tensor)
             if fault == "perturb_master":
                 break
     elif fault == "swap_partitions":
@@ -365,14 +364,14 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
             if len(chunks) >= 2 and md.storage_data[chunks[0]].length == md.storage_data[chunks[1]].length:
                 first, second = load(chunks[0]), load(chunks[1])
                 if first.shape == second.shape:
-                    replace[chunks[0]], replace[chunks[1]] = save(second), save(first)
+                    replace[chunks[0]], replace[chunks[1]] = _serialized(second), _serialized(first)
     elif fault == "swap_qkv_kv":
         if model is None:
             raise CheckpointFormatError(f"{root}: swap_qkv_kv needs the model's head counts (our model spec in "
                                         f"common.pt), found none")
         for idx in ordered:
             if roles[idx][1].endswith("linear_qkv.weight"):
-                replace[idx] = save(swap_kv_rows(load(idx), model))
+                replace[idx] = _serialized(swap_kv_rows(load(idx), model))
     elif fault == "swap_glu_halves":
         for idx in ordered:
             if roles[idx][1].endswith("linear_fc1.weight"):
@@ -382,7 +381,7 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
                     continue
                 half = rows // 2
                 swapped = torch.cat([tensor.narrow(-2, half, half), tensor.narrow(-2, 0, half)], dim=-2)
-                replace[idx] = save(swapped.contiguous())
+                replace[idx] = _serialized(swapped.contiguous())
     else:
         raise CheckpointFormatError(f"{root}: fault {fault!r} has no DCP form")
     if not replace:
@@ -394,8 +393,6 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
 def _inject_dcp_counters(root: Path, fault: str, batches: int) -> list[Path]:
     """`shift_data` (ours: `migrate.sampler.*`) or `reset_lr` (`lr_scheduler.*` step counters) on a torch DCP
     checkpoint, its values spliced into its files; `reset_rng` has nothing to replace (DCP holds no RNG)."""
-    import io
-
     from checkpoint.execute import load_range
 
     md = safe_load.read_dcp_metadata(root)
@@ -405,20 +402,15 @@ def _inject_dcp_counters(root: Path, fault: str, batches: int) -> list[Path]:
         info = md.storage_data[values[fqn]]
         return load_range(root / info.relative_path, int(info.offset), int(info.length))
 
-    def save(value: Any) -> bytes:
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        return buf.getvalue()
-
     replace: dict[Any, bytes] = {}
     if fault == "reset_lr":
-        replace = {fqn: save(0) for fqn in values if fqn in ("lr_scheduler.last_step", "lr_scheduler.last_epoch")}
+        replace = {fqn: _serialized(0) for fqn in values if fqn in ("lr_scheduler.last_step", "lr_scheduler.last_epoch")}
     elif fault == "shift_data":
         prefix = f"{CLIENT_STATE_KEY}.sampler."
         sampler = {fqn.removeprefix(prefix): load(fqn) for fqn in values if fqn.startswith(prefix)}
         if {"consumed_samples", "global_batch_size", "dataset_size"} <= set(sampler):
             shifted = shift_data({"sampler": sampler}, batches)["sampler"]
-            replace = {prefix + k: save(shifted[k]) for k in ("consumed_samples", "epoch") if prefix + k in values}
+            replace = {prefix + k: _serialized(shifted[k]) for k in ("consumed_samples", "epoch") if prefix + k in values}
     if not replace:
         raise CheckpointFormatError(f"{root}: nothing to apply fault {fault!r} to (DCP items "
                                     f"{sorted(f for f in values if not f.startswith(('model.', 'optimizer.')))})")
