@@ -7,7 +7,7 @@ from importlib import import_module
 from migrate.pipeline.stage import StageDefinition
 
 # Registry order is the default execution order among independent stages.
-_STAGE_MODULES = ("preflight", "comm", "ops", "search", "train", "convert", "resume", "gate")
+_STAGE_MODULES = ("preflight", "comm", "ops", "search", "train", "convert", "resume", "stability", "gate")
 
 STAGES: dict[str, StageDefinition] = {}
 for _module in _STAGE_MODULES:

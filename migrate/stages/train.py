@@ -15,7 +15,7 @@ import math
 import statistics
 import threading
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field
 
@@ -32,10 +32,13 @@ class TrainOptions(StageOptions):
 
 
 class MetricsFollower:
-    """Tails rank 0's per-step JSONL while training runs: progress bar and live tracking."""
+    """Tails rank 0's per-step JSONL while training runs: progress bar and live tracking of what `select`
+    takes from each line (default: every value but the step)."""
 
-    def __init__(self, path: Path, ctx: StageContext, total: int):
+    def __init__(self, path: Path, ctx: StageContext, total: int | None,
+                 select: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
         self.path, self.ctx, self.total = path, ctx, total
+        self.select = select or (lambda record: {k: v for k, v in record.items() if k != "step"})
         self._stop = threading.Event()
         self._offset = 0
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -57,7 +60,7 @@ class MetricsFollower:
                     break
                 self._offset += len(line)
                 record = json.loads(line)
-                self.ctx.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
+                self.ctx.log_metrics(int(record["step"]), self.select(record))
                 self._bar.update(1)
                 self._bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
 

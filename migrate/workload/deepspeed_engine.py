@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.long_run import StepProbe
 from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.torch_model import build_decoder
@@ -119,10 +120,13 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
-    trace = StepTrace()
+    trace = StepTrace(enabled=spec.long_run is None)
+    probe = StepProbe(ctx, spec.long_run, device)
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
+            probe.before_step(step + 1)
+            skipped_before = engine.skipped_steps
             lr = float(engine.get_lr()[0])
             global_indices = global_batch_indices(sampler)
             trace.record(global_indices)
@@ -144,6 +148,7 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
                 step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
             metrics.append(record)
             message = log.write(record)
+            probe.after_step(record, skipped=engine.skipped_steps != skipped_before)
             if should_save(spec, step + 1):
                 tag = f"global_step{step + 1}"
                 state = gather_state(step=step + 1, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=dp,
@@ -151,10 +156,14 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
                 state["model"] = dataclasses.asdict(model_spec)  # the architecture, for converters (Megatron)
                 engine.save_checkpoint(spec.save_dir, tag=tag, client_state={CLIENT_STATE_KEY: state})
                 checkpoints.append(os.path.join(spec.save_dir, tag))
+                probe.saved(step + 1, checkpoints[-1])
             if message and spec.stop_on_nonfinite:
                 stopped = message
                 break
+            if probe.out_of_time():
+                break
     finally:
         log.close()
+        probe.close()
     return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra(rng_restore=rng_note, state_print=loaded))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.long_run import StepProbe
 from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.tensor_parallel import MeshShape, build_mesh, check_tensor_parallel, parallelize
@@ -122,10 +123,12 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
-    trace = StepTrace()
+    trace = StepTrace(enabled=spec.long_run is None)
+    probe = StepProbe(ctx, spec.long_run, device)
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
+            probe.before_step(step + 1)
             lr = scheduler.get_last_lr()[0]
             global_indices = global_batch_indices(sampler)
             trace.record(global_indices)
@@ -152,15 +155,20 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
                 step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
             metrics.append(record)
             message = log.write(record)
+            probe.after_step(record)
             if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
                 path = step_dir(spec.save_dir, step + 1)
                 dcp.save(_state(model, optimizer, scheduler, sampler, step + 1, mesh_shape), checkpoint_id=path)
                 checkpoints.append(path)
+                probe.saved(step + 1, path)
             if message and spec.stop_on_nonfinite:
                 stopped = message
                 break
+            if probe.out_of_time():
+                break
     finally:
         log.close()
+        probe.close()
     return RankResult(rank=rank, engine="fsdp", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped,
                       extra=trace.extra(dp=dp, tp=spec.tp, sequence_parallel=spec.sequence_parallel, state_print=loaded))

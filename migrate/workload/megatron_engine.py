@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.long_run import StepProbe
 from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
 from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
 from migrate.workload.train_state import StepTrace
@@ -251,6 +252,8 @@ class _RngTrace(StepTrace):
     device_type: str = "cpu"
 
     def record(self, global_indices: Any) -> None:
+        if not self.enabled:
+            return
         self.samples.append([int(i) for i in global_indices])
         self.rng.append(rng_fingerprint(self.device_type))
 
@@ -539,10 +542,12 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
     metrics: list[StepMetrics] = []
     checkpoints: list[str] = []
     stopped = None
-    trace = _RngTrace(device_type=ctx.device_type)
+    trace = _RngTrace(device_type=ctx.device_type, enabled=spec.long_run is None)
+    probe = StepProbe(ctx, spec.long_run, device)
     try:
         for step in range(start_step, spec.steps):
             began = time.perf_counter()
+            probe.before_step(step + 1)
             lr = lr_at(train.lr_schedule, train.optimizer.lr, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -559,7 +564,7 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
                 forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
                 seq_length=model_spec.seq_length, micro_batch_size=train.micro_batch_size, forward_only=False)
-            _, grad_norm, _ = optimizer.step()
+            updated, grad_norm, _ = optimizer.step()
             # Every rank of the last pipeline stage holds its DP shard's losses; average them all.
             summed = torch.zeros(2, dtype=torch.float64)
             if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -574,6 +579,7 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
                 step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
             metrics.append(record)
             message = log.write(record)
+            probe.after_step(record, skipped=not updated)
             if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
                 from migrate.workload.megatron_legacy import save_legacy_checkpoint
 
@@ -581,11 +587,15 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
                 checkpoints.append(save(chunks, optimizer, step + 1, sampler, spec.save_dir,
                                                    model=model_spec, micro_batch_size=train.micro_batch_size,
                                                    device_type=ctx.device_type))
+                probe.saved(step + 1, checkpoints[-1])
             if message and spec.stop_on_nonfinite:
                 stopped = message
                 break
+            if probe.out_of_time():
+                break
     finally:
         log.close()
+        probe.close()
     return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
                       checkpoints=tuple(checkpoints), stopped=stopped,
                       extra=trace.extra(tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, dp=dp,

@@ -161,6 +161,42 @@ class TrainSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Kill:
+    """Rank `rank` kills its own process (SIGKILL) at the start of optimizer step `step` (1-based, global)."""
+
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 1:
+            raise ValueError(f"Kill(rank={self.rank}, step={self.step}): rank must be >= 0 and step >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LongRun:
+    """A run's long-run additions. `deadline` is a `time.time()` after which the run stops at the next step
+    boundary; `keep_checkpoints` keeps the newest N checkpoints of this run (0: all) besides `protected`
+    ones. `leak_bytes_per_step`, `stall_every` and `stall_s` are defects injected for tests: every rank
+    keeps `leak_bytes_per_step` more bytes alive after each step (touched, so they are resident), and
+    sleeps `stall_s` inside every `stall_every`-th step."""
+
+    records_dir: str
+    deadline: float | None = None
+    keep_checkpoints: int = 0
+    protected: tuple[str, ...] = ()
+    kills: tuple[Kill, ...] = ()
+    leak_bytes_per_step: int = 0
+    stall_every: int = 0
+    stall_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.keep_checkpoints < 0 or self.leak_bytes_per_step < 0 or self.stall_every < 0 or self.stall_s < 0:
+            raise ValueError(f"LongRun: keep_checkpoints({self.keep_checkpoints}), leak_bytes_per_step"
+                             f"({self.leak_bytes_per_step}), stall_every({self.stall_every}) and stall_s"
+                             f"({self.stall_s}) must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec:
     """One training run of a built-in engine on a worker group.
 
@@ -188,6 +224,7 @@ class RunSpec:
     stop_on_nonfinite: bool = True
     checkpoint_format: Literal["torch_dist", "torch"] = "torch_dist"  # megatron: dist or legacy per-rank files
     print_loaded_state: bool = True  # after a load, before step 1: RankResult.extra["state_print"] (collective)
+    long_run: LongRun | None = None  # per-rank step records, time limit, injected failures (the stability stage)
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in ("torch_dist", "torch"):

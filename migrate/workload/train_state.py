@@ -68,12 +68,16 @@ def restore_state(client: Mapping[str, Any], *, rank: int, role: RankRole, globa
 
 @dataclass
 class StepTrace:
-    """Per step: the global batch consumed (dataset indices, in order) and the RNG fingerprint at its start."""
+    """Per step: the global batch consumed (dataset indices, in order) and the RNG fingerprint at its start.
+    A long run (`enabled` False) records nothing: its memory would grow with every step."""
 
     samples: list[list[int]] = field(default_factory=list)
     rng: list[str] = field(default_factory=list)
+    enabled: bool = True
 
     def record(self, global_indices: Any) -> None:
+        if not self.enabled:
+            return
         self.samples.append([int(i) for i in global_indices])
         self.rng.append(fingerprint(capture_rng_state()))
 

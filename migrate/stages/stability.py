@@ -1,0 +1,462 @@
+"""Stability: the target trains on from the converted checkpoint for a long while, and survives failures.
+
+Call sequence: check the converted checkpoint (its manifest, its pickles) -> attempt 1 trains at the
+target layout from it for ``steps`` (or ``minutes``), checkpointing every ``save_every`` steps; every
+rank records each step's time, host RSS and device memory (`migrate.workload.long_run`) -> a rank that
+dies or fails ends the attempt (the worker group names it) -> `decide_recovery` (pure): a new group (new
+processes, same layout) resumes from the newest committed checkpoint, within ``max_restarts`` -> at the
+end an uninterrupted reference run from the first recovery's checkpoint (``verify_recovery``) ->
+`judge` (pure, `convergence.stability`): memory growth per 1,000 steps with its confidence interval,
+step-time tails and periodic slowdowns, loss health (the gate's rules), recomputed steps and the
+reference equal to the recovered run -> ``stability.json``, plots, ``summary.md``.
+
+``faults`` kill ranks on purpose (``kill_rank`` at the ``at_step``-th step of this run);
+``leak_bytes_per_step`` and ``stall_every``/``stall_s`` are documented test hooks that inject a
+memory leak and a periodic stall into the workload, so the checks can be seen to fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from pydantic import Field, model_validator
+
+from convergence.checks import CheckResult
+from convergence.stability import (HealthLimits, Recovery, Segment, StabilityVerdict, Trend, check_growth,
+                                   check_health, check_periodic, check_tails, compare_steps, fit_trend,
+                                   periodic_slowdown, step_times)
+from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+
+MIB = 2**20
+DEFAULT_STEPS = 200
+
+
+class KillFault(StageOptions):
+    """Kill one rank's process (SIGKILL) at the start of the `at_step`-th step of the stability run."""
+
+    kill_rank: int = Field(ge=0, description="the global rank whose process is killed")
+    at_step: int = Field(ge=1, description="the n-th step of this run (1: the first after the converted checkpoint)")
+
+
+class StabilityOptions(StageOptions):
+    steps: int | None = Field(default=None, ge=1, description=f"steps after the converted checkpoint (default "
+                                                               f"{DEFAULT_STEPS} when minutes is not set)")
+    minutes: float | None = Field(default=None, gt=0, description="train for this long (wall clock, recoveries "
+                                                                  "included); with steps, whichever ends first")
+    save_every: int = Field(default=50, ge=1, description="checkpoint every K steps (recovery resumes from the newest)")
+    keep_checkpoints: int = Field(default=2, ge=0, description="keep the newest N of this run's checkpoints (0: all)")
+    warmup_steps: int = Field(default=20, ge=0, description="steps after each (re)start left out of the trends")
+    faults: list[KillFault] = Field(default_factory=list, description="ranks to kill on purpose")
+    max_restarts: int = Field(default=3, ge=0, description="recoveries allowed before the stage fails")
+    step_timeout_s: float = Field(default=300.0, gt=0, description="a step slower than this is a hang (the attempt "
+                                                                   "is ended and recovered)")
+    verify_recovery: bool = Field(default=True, description="after a recovery: an uninterrupted reference run from "
+                                                            "the same checkpoint must give the same losses")
+    verify_steps: int | None = Field(default=None, ge=1, description="steps the reference run covers (default: to "
+                                                                     "the end of the run)")
+    recovery_rtol: float = Field(default=0.0, ge=0, description="relative tolerance of recomputed and reference "
+                                                               "steps (0: bit for bit, deterministic engines)")
+    confidence: float = Field(default=0.99, gt=0, lt=1, description="confidence of the trend intervals")
+    host_memory_growth_mib: float = Field(default=64.0, ge=0, description="limit: host RSS growth per rank, "
+                                                                         "MiB per 1,000 steps")
+    device_memory_growth_mib: float = Field(default=16.0, ge=0, description="limit: device memory growth (allocated "
+                                                                           "and reserved) per rank, MiB per 1,000 steps")
+    max_jitter: float = Field(default=1.5, ge=1, description="limit: step time P99 / P50")
+    max_periodic_slowdown: float = Field(default=0.1, ge=0, description="limit: a periodic phase's median excess "
+                                                                        "as a fraction of the other steps' median")
+    periodic_alpha: float = Field(default=0.01, gt=0, lt=1, description="significance of a periodic slowdown")
+    max_period: int = Field(default=200, ge=2, description="longest period (steps) tested for slowdowns")
+    max_nonfinite_steps: int = Field(default=0, ge=0, description="NaN/Inf loss or grad norm steps allowed")
+    max_skipped_fraction: float = Field(default=0.01, ge=0, le=1, description="optimizer steps skipped (overflow) allowed")
+    max_loss_spikes: int = Field(default=0, ge=0, description="loss spikes allowed (the gate's spike rule)")
+    spike_window: int = Field(default=20, ge=3)
+    spike_z: float = Field(default=6.0, gt=0)
+    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
+    leak_bytes_per_step: int = Field(default=0, ge=0, description="test hook: every rank keeps this many more bytes per step")
+    stall_every: int = Field(default=0, ge=0, description="test hook: every rank sleeps stall_s in every K-th step")
+    stall_s: float = Field(default=0.0, ge=0, description="test hook: the stall's length in seconds")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StabilityOptions":
+        if self.steps is not None:
+            late = [f"rank {f.kill_rank} at step {f.at_step}" for f in self.faults if f.at_step > self.steps]
+            if late:
+                raise ValueError(f"faults {', '.join(late)} lie after the run's last step (steps {self.steps})")
+        if bool(self.stall_every) != bool(self.stall_s):
+            raise ValueError(f"stall_every({self.stall_every}) and stall_s({self.stall_s}) go together: set both or neither")
+        return self
+
+    @property
+    def planned_steps(self) -> int | None:
+        """Steps to run, or None when only the time limit ends the run."""
+        if self.steps is None and self.minutes is None:
+            return DEFAULT_STEPS
+        return self.steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One worker group's part of the run: where it resumed, what its ranks recorded, how it ended."""
+
+    index: int
+    loaded_step: int
+    loaded: str
+    started_at: float
+    ended_at: float
+    records: Any  # migrate.workload.long_run.RunRecords
+    failure: str = ""
+    failed_ranks: tuple[int, ...] = ()
+    stopped: str | None = None  # the engine stopped by itself (non-finite metrics)
+
+    @property
+    def last_step(self) -> int:
+        """The last step every rank finished (the loaded step when none)."""
+        done = [rows[-1]["step"] for rows in self.records.ranks.values() if rows]
+        return int(min(done)) if done and len(done) == len(self.records.ranks) else self.loaded_step
+
+    @property
+    def first_step_at(self) -> float | None:
+        rows = self.records.steps(0)
+        return float(rows[0]["wall_time"]) if rows else None
+
+    @property
+    def last_step_at(self) -> float | None:
+        times = [float(rows[-1]["wall_time"]) for rows in self.records.ranks.values() if rows]
+        return max(times) if times else None
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """What the stage does after an attempt: ``done``, ``restart`` from ``load`` (step, path), or ``fail``."""
+
+    action: Literal["done", "restart", "fail"]
+    reason: str
+    load: tuple[int, str] | None = None
+
+
+def decide_recovery(attempt: Attempt, *, restarts: int, max_restarts: int,
+                    committed: Sequence[tuple[int, str]]) -> RecoveryDecision:
+    """Pure: an attempt that ended normally is done; a failed one restarts from the newest committed
+    checkpoint (`committed`, oldest first: the run's start and every checkpoint saved since) while the
+    retry budget lasts, else the stage fails naming the rank, its node and the cause."""
+    if not attempt.failure:
+        return RecoveryDecision("done", "the run ended" + (f": {attempt.stopped}" if attempt.stopped else ""))
+    if restarts >= max_restarts:
+        return RecoveryDecision("fail", f"not recovered: {restarts} restart(s) used of max_restarts {max_restarts}; "
+                                        f"attempt {attempt.index} failed after step {attempt.last_step}: {attempt.failure}")
+    step, path = committed[-1]
+    return RecoveryDecision("restart", f"attempt {attempt.index} failed after step {attempt.last_step} "
+                                       f"({attempt.failure}); restarting from the checkpoint of step {step}", (step, path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """The fixed inputs of the run's attempts."""
+
+    engine: str
+    layout: Any  # checkpoint.layout.ParallelLayout
+    micro_batch_size: int
+    start_step: int
+    end_step: int
+    deadline: float | None
+    save_dir: Path
+    kills: tuple[Any, ...]  # migrate.workload.model_spec.Kill, global steps
+
+
+def _failure_text(exc: Any) -> tuple[str, tuple[int, ...]]:
+    """One line naming each failed rank, its node and the cause (root causes first)."""
+    root = exc.failures[0].kind  # sorted root causes first: a death explains its peers' connection errors
+    causes = [f for f in exc.failures if f.kind == root]
+    return "; ".join(f.describe() for f in causes[:4]), tuple(f.rank for f in causes)
+
+
+def _drop_uncommitted(save_dir: Path, committed: Sequence[tuple[int, str]]) -> list[str]:
+    """Remove checkpoint folders a failure left half written (not committed); return their names."""
+    keep = {str(Path(p)) for _, p in committed}
+    dropped = []
+    if save_dir.is_dir():
+        for entry in sorted(save_dir.iterdir()):
+            if entry.is_dir() and str(entry) not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+                dropped.append(entry.name)
+    return dropped
+
+
+def _prune(committed: Sequence[tuple[int, str]], keep: int, protected: Sequence[str]) -> None:
+    """Keep the newest `keep` committed checkpoints of the run (0: all) and the `protected` ones."""
+    if not keep:
+        return
+    for _, path in list(committed)[:-keep]:
+        if path not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _select(record: dict[str, Any]) -> dict[str, Any]:
+    """What the tracker logs of a rank-0 line: training metrics and memory in MiB."""
+    out = {k: record[k] for k in ("loss", "grad_norm", "lr", "step_time_s") if k in record}
+    for key in ("host_rss_bytes", "device_allocated_bytes", "device_reserved_bytes"):
+        if key in record:
+            out[key.replace("_bytes", "_mib")] = record[key] / MIB
+    return out
+
+
+def _run_attempt(ctx: StageContext, plan: RunPlan, options: StabilityOptions, *, index: int, load: tuple[int, str],
+                 kills: tuple[Any, ...], protected: tuple[str, ...]) -> Attempt:
+    from migrate.runtime.worker_group import WorkerGroupError
+    from migrate.stages.train import MetricsFollower
+    from migrate.workload.engines import rank_entry
+    from migrate.workload.from_job import run_spec
+    from migrate.workload.long_run import RANK_FILE, read_records
+    from migrate.workload.model_spec import LongRun
+
+    job = ctx.job.spec
+    directory = ctx.work_dir / f"attempt{index}"
+    shutil.rmtree(directory, ignore_errors=True)
+    records_dir = directory / "ranks"
+    spec = run_spec(job, plan.layout, engine=plan.engine, steps=plan.end_step, save_dir=str(plan.save_dir),
+                    load_dir=load[1], save_every=options.save_every, metrics_path=str(directory / "metrics.jsonl"),
+                    micro_batch_size=plan.micro_batch_size)
+    long_run = LongRun(records_dir=str(records_dir), deadline=plan.deadline, keep_checkpoints=options.keep_checkpoints,
+                       protected=protected, kills=kills, leak_bytes_per_step=options.leak_bytes_per_step,
+                       stall_every=options.stall_every, stall_s=options.stall_s)
+    spec = dataclasses.replace(spec, long_run=long_run, print_loaded_state=False)
+    remaining = plan.end_step - load[0]
+    limit = job.target.timeout_s + options.step_timeout_s * remaining
+    if plan.deadline is not None:
+        limit = min(limit, max(0.0, plan.deadline - time.time()) + job.target.timeout_s + options.step_timeout_s)
+    env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
+    started = time.time()
+    failure, failed_ranks, stopped = "", (), None
+    total = remaining if plan.deadline is None else None
+    try:
+        with ctx.worker_group(world_size=plan.layout.world_size, env=env) as group:
+            with MetricsFollower(records_dir / RANK_FILE.format(rank=0), ctx, total=total, select=_select):
+                results = group.run(rank_entry(plan.engine), spec, timeout_s=limit)
+        stopped = results[0].stopped
+    except WorkerGroupError as exc:
+        failure, failed_ranks = _failure_text(exc)
+    return Attempt(index=index, loaded_step=load[0], loaded=load[1], started_at=started, ended_at=time.time(),
+                   records=read_records(records_dir, plan.layout.world_size), failure=failure,
+                   failed_ranks=failed_ranks, stopped=stopped)
+
+
+def _run_attempts(ctx: StageContext, plan: RunPlan, options: StabilityOptions,
+                  start: tuple[int, str]) -> tuple[list[Attempt], list[RecoveryDecision]]:
+    """Attempts until the run ends or recovery is given up; the decisions taken after each."""
+    attempts: list[Attempt] = []
+    decisions: list[RecoveryDecision] = []
+    committed: list[tuple[int, str]] = [start]
+    load, kills = start, plan.kills
+    while True:
+        protected = tuple(a.loaded for a in attempts) + (load[1],)
+        attempt = _run_attempt(ctx, plan, options, index=len(attempts) + 1, load=load, kills=kills,
+                               protected=protected)
+        attempts.append(attempt)
+        committed += [(step, path) for step, path, _ in attempt.records.checkpoints]
+        decision = decide_recovery(attempt, restarts=len(attempts) - 1, max_restarts=options.max_restarts,
+                                   committed=committed)
+        decisions.append(decision)
+        if decision.action != "restart":
+            return attempts, decisions
+        _drop_uncommitted(plan.save_dir, committed)
+        _prune(committed[1:], options.keep_checkpoints, protected + (decision.load[1],) if decision.load else protected)
+        assert decision.load is not None
+        load = decision.load
+        reached = attempt.last_step + 1  # a kill planned at or before the step that failed has fired
+        kills = tuple(k for k in kills if k.step > reached)
+
+
+def recoveries(attempts: Sequence[Attempt]) -> list[Recovery]:
+    """Each failure and how the next attempt recovered from it."""
+    out = []
+    for failed, after in zip(attempts, attempts[1:]):
+        last, first = failed.last_step_at, after.first_step_at
+        out.append(Recovery(failed_at_step=failed.last_step, resumed_from_step=after.loaded_step,
+                            seconds_to_recover=(first - (last or failed.started_at)) if first is not None else None,
+                            cause=failed.failure))
+    return out
+
+
+def _by_step(rows: Sequence[Mapping[str, Any]], lo: int, hi: int) -> dict[int, dict[str, float]]:
+    return {int(r["step"]): {k: float(r[k]) for k in ("loss", "grad_norm", "lr") if k in r}
+            for r in rows if lo < int(r["step"]) <= hi}
+
+
+def merged_steps(attempts: Sequence[Attempt]) -> list[dict[str, Any]]:
+    """Rank 0's lines of the whole run, one per step: a later attempt's replace what it recomputed."""
+    final: dict[int, dict[str, Any]] = {}
+    for attempt in attempts:
+        for row in attempt.records.steps(0):
+            if int(row["step"]) > attempt.loaded_step:
+                final[int(row["step"])] = row
+    return [final[s] for s in sorted(final)]
+
+
+def _memory_segments(attempts: Sequence[Attempt], rank: int, key: str, warmup: int) -> list[Segment]:
+    segments = []
+    for attempt in attempts:
+        rows = [r for r in attempt.records.steps(rank) if key in r]
+        if rows:
+            seg = Segment(steps=tuple(int(r["step"]) for r in rows), values=tuple(r[key] / MIB for r in rows))
+            segments.append(seg.after_warmup(warmup))
+    return segments
+
+
+def _worst_trend(attempts: Sequence[Attempt], ranks: Sequence[int], key: str, options: StabilityOptions
+                 ) -> tuple[int, Trend | None, dict[int, Trend]]:
+    """(rank, trend) of the rank whose growth is most significant (largest lower bound), and every rank's."""
+    trends = {r: t for r in ranks if (t := fit_trend(_memory_segments(attempts, r, key, options.warmup_steps),
+                                                     confidence=options.confidence)) is not None}
+    if not trends:
+        return (ranks[0] if ranks else 0), None, {}
+    rank = max(trends, key=lambda r: trends[r].lower)
+    return rank, trends[rank], trends
+
+
+def judge(attempts: Sequence[Attempt], decisions: Sequence[RecoveryDecision], plan: RunPlan, options: StabilityOptions,
+          reference: Sequence[Mapping[str, Any]] | None, reference_from: int | None) -> StabilityVerdict:
+    """Every check of the run (pure over what the attempts recorded)."""
+    ranks = sorted({r for a in attempts for r in a.records.ranks})
+    checks: list[CheckResult] = []
+    details: dict[str, Any] = {"ranks": {}}
+    final = decisions[-1]
+    steps = merged_steps(attempts)
+    last = int(steps[-1]["step"]) if steps else plan.start_step
+    if final.action == "fail":
+        checks.append(CheckResult(code="failures", passed=False, reason=final.reason))
+    else:
+        n = len(attempts) - 1
+        checks.append(CheckResult(code="failures", passed=True,
+                                  reason=f"{n} failure(s), each recovered" if n else "no failure"))
+    stopped = attempts[-1].stopped
+    if final.action == "done":
+        short = plan.deadline is None and last < plan.end_step
+        if stopped or short:
+            checks.append(CheckResult(code="completed", passed=False,
+                                      reason=f"stopped at step {last} of {plan.end_step}: {stopped or 'no reason given'}"))
+    memory = [("host_memory_growth", "host_rss_bytes", "host RSS", options.host_memory_growth_mib),
+              ("device_memory_growth", "device_allocated_bytes", "device memory allocated", options.device_memory_growth_mib),
+              ("device_reserved_growth", "device_reserved_bytes", "device memory reserved", options.device_memory_growth_mib)]
+    for code, key, what, limit in memory:
+        if not any(key in row for a in attempts for row in a.records.steps(0)):
+            continue
+        rank, trend, per_rank = _worst_trend(attempts, ranks, key, options)
+        checks.append(check_growth(code, f"{what} of rank {rank}", trend, limit, "MiB"))
+        for r, t in per_rank.items():
+            details["ranks"].setdefault(str(r), {})[code] = {"slope": t.slope, "lower": t.lower, "upper": t.upper}
+    timed = [(int(r["step"]), float(r["step_time_s"])) for a in attempts
+             for r in a.records.steps(0)[options.warmup_steps:] if "step_time_s" in r]
+    times = step_times([t for _, t in timed])
+    checks.append(check_tails(times, options.max_jitter))
+    checks.append(check_periodic(periodic_slowdown([s for s, _ in timed], [t for _, t in timed],
+                                                   max_period=options.max_period),
+                                 alpha=options.periodic_alpha, limit=options.max_periodic_slowdown))
+    log_order = [r for a in attempts for r in a.records.steps(0) if int(r["step"]) > a.loaded_step]
+    if log_order:
+        checks += check_health(log_order, HealthLimits(
+            max_nonfinite_steps=options.max_nonfinite_steps, max_skipped_fraction=options.max_skipped_fraction,
+            spike_window=options.spike_window, spike_z=options.spike_z, max_loss_spikes=options.max_loss_spikes))
+    for failed, after in zip(attempts, attempts[1:]):
+        checks.append(compare_steps(
+            "recomputed_steps", f"steps {after.loaded_step + 1}..{failed.last_step} recomputed after failure "
+                                f"{failed.index} against their first computation",
+            _by_step(after.records.steps(0), after.loaded_step, failed.last_step),
+            _by_step(failed.records.steps(0), after.loaded_step, failed.last_step),
+            keys=("loss", "grad_norm", "lr"), rtol=options.recovery_rtol))
+    if reference is not None and reference_from is not None:
+        checks.append(compare_steps(
+            "recovery_reference", f"the recovered run against an uninterrupted run from the checkpoint of step "
+                                  f"{reference_from}",
+            _by_step(steps, reference_from, last), _by_step(reference, reference_from, last),
+            keys=("loss", "grad_norm", "lr"), rtol=options.recovery_rtol))
+    if times is not None:
+        details["step_time"] = {"p50_s": times.p50, "p95_s": times.p95, "p99_s": times.p99, "jitter": times.jitter}
+    return StabilityVerdict(checks=tuple(checks), details=details)
+
+
+def _reference_run(ctx: StageContext, plan: RunPlan, options: StabilityOptions, load: tuple[int, str],
+                   last: int) -> list[dict[str, Any]]:
+    """An uninterrupted run from `load` to `last` (or `verify_steps` after it): no faults, no checkpoints."""
+    from migrate.workload.engines import rank_entry
+    from migrate.workload.from_job import run_spec
+    from migrate.workload.model_spec import LongRun
+    from migrate.workload.long_run import read_records
+
+    job = ctx.job.spec
+    end = min(last, load[0] + options.verify_steps) if options.verify_steps else last
+    directory = ctx.work_dir / "reference"
+    shutil.rmtree(directory, ignore_errors=True)
+    spec = run_spec(job, plan.layout, engine=plan.engine, steps=end, save_dir=None, load_dir=load[1], save_every=0,
+                    metrics_path=str(directory / "metrics.jsonl"), micro_batch_size=plan.micro_batch_size)
+    spec = dataclasses.replace(spec, long_run=LongRun(records_dir=str(directory / "ranks")), print_loaded_state=False)
+    env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
+    with ctx.worker_group(world_size=plan.layout.world_size, env=env) as group:
+        group.run(rank_entry(plan.engine), spec,
+                  timeout_s=job.target.timeout_s + options.step_timeout_s * max(1, end - load[0]))
+    return list(read_records(directory / "ranks", plan.layout.world_size).steps(0))
+
+
+def run(ctx: StageContext) -> StageOutcome:
+    from checkpoint.safe_load import check_pickles
+    from migrate.stages._target import target_layout, target_micro_batch
+    from migrate.stages.resume import checkpoint_step, manifest_problems
+    from migrate.workload.from_job import default_engine
+    from migrate.workload.model_spec import Kill
+
+    options: StabilityOptions = ctx.options  # type: ignore[assignment]
+    job = ctx.job.spec
+    converted = Path(ctx.upstream["convert"].outputs["checkpoint"])
+    damaged = manifest_problems(converted)
+    if damaged:
+        return StageOutcome(verdict="fail", metrics={"manifest_problems": len(damaged), "passed": 0},
+                            reasons=tuple(f"converted checkpoint differs from its manifest: {p}" for p in damaged[:20]),
+                            summary_md=f"The converted checkpoint `{converted}` is not what the conversion wrote; "
+                                       "nothing was run.\n")
+    check_pickles(converted)  # the frameworks' loaders unpickle freely: refuse what is not allowed
+    layout, layout_from = target_layout(ctx.job, ctx.upstream)
+    micro_batch, _ = target_micro_batch(ctx.job, ctx.upstream)
+    outside = [f"kill_rank {f.kill_rank}" for f in options.faults if f.kill_rank >= layout.world_size]
+    if outside:
+        raise ValueError(f"stages.stability.faults: {', '.join(outside)} outside the target's {layout.world_size} "
+                         f"rank(s) (layout {layout.describe()})")
+    start = checkpoint_step(converted)
+    planned = options.planned_steps
+    save_dir = ctx.work_dir / "checkpoints"
+    shutil.rmtree(save_dir, ignore_errors=True)
+    shutil.rmtree(ctx.work_dir / "reference", ignore_errors=True)
+    for old in ctx.work_dir.glob("attempt*"):
+        shutil.rmtree(old, ignore_errors=True)
+    plan = RunPlan(engine=options.engine or default_engine(job, layout), layout=layout, micro_batch_size=micro_batch,
+                   start_step=start, end_step=start + (planned if planned is not None else 10**9),
+                   deadline=time.time() + options.minutes * 60 if options.minutes else None, save_dir=save_dir,
+                   kills=tuple(Kill(rank=f.kill_rank, step=start + f.at_step) for f in options.faults))
+    attempts, decisions = _run_attempts(ctx, plan, options, (start, str(converted)))
+    steps = merged_steps(attempts)
+    last = int(steps[-1]["step"]) if steps else start
+    reference, reference_from = None, None
+    if options.verify_recovery and len(attempts) > 1 and last > attempts[1].loaded_step:
+        reference_from = attempts[1].loaded_step
+        reference = _reference_run(ctx, plan, options, (reference_from, attempts[1].loaded), last)
+    _prune([(s, p) for a in attempts for s, p, _ in a.records.checkpoints], options.keep_checkpoints, ())
+    verdict = judge(attempts, decisions, plan, options, reference, reference_from)
+    from migrate.stages._stability_report import write_outputs
+
+    return write_outputs(ctx, plan, options, attempts, decisions, verdict, steps, reference, reference_from,
+                         layout_from=layout_from)
+
+
+STAGE = StageDefinition(
+    name="stability",
+    description="a long run of the target from the converted checkpoint: memory growth, step-time tails, "
+                "failures survived",
+    run=run,
+    options=StabilityOptions,
+    depends_on=("convert",),
+    after=("resume", "search"),
+    reads=("source", "target", "model", "training"),
+)
