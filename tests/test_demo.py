@@ -36,6 +36,9 @@ def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     for stage in summary["stages"]:
         artifact = json.loads(Path(stage["artifact"]).read_text())
         assert artifact["status"] == "succeeded"
+    stability = json.loads((work / "stability" / "stability.json").read_text())  # rank 1 killed, recovered
+    assert stability["passed"] and [r["steps_lost"] for r in stability["recoveries"]] == [1]
+    assert {c["code"]: c["passed"] for c in stability["checks"]}["recovery_reference"] is True
     second = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert second.returncode == 0

@@ -20,7 +20,7 @@ def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOp
            steps: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]] | None) -> dict[str, str]:
     from convergence.stability import periodic_slowdown
     from convergence.stability_report import plot_loss, plot_memory, plot_step_time, plot_timeline
-    from migrate.stages.stability import _memory_segments, _worst_trend
+    from migrate.stages.stability import memory_segments, worst_trend
 
     restarts = [a.loaded_step for a in attempts[1:]]
     images: dict[str, str] = {}
@@ -31,8 +31,8 @@ def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOp
              options.device_memory_growth_mib)):
         if not any(key in r for a in attempts for r in a.records.steps(0)):
             continue
-        worst, trend, _ = _worst_trend(attempts, ranks, key, options)
-        per_rank = {r: _memory_segments(attempts, r, key, 0) for r in ranks}
+        worst, trend, _ = worst_trend(attempts, ranks, key, options)
+        per_rank = {r: memory_segments(attempts, r, key, 0) for r in ranks}
         plot_memory(per_rank, worst, trend, restarts, directory / name, title=title, limit=limit)
         images[name.removesuffix(".png")] = name
     timed = [(int(r["step"]), float(r["step_time_s"])) for a in attempts for r in a.records.steps(0)
@@ -63,11 +63,11 @@ def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOp
 
 def _rank_table(attempts: Sequence["Attempt"], options: "StabilityOptions") -> str:
     """Host RSS growth per rank (the 8 largest when there are more than 16 ranks)."""
-    from migrate.stages.stability import _memory_segments
+    from migrate.stages.stability import memory_segments
 
     rows = []
     for rank in sorted({r for a in attempts for r in a.records.ranks}):
-        trend = fit_trend(_memory_segments(attempts, rank, "host_rss_bytes", options.warmup_steps),
+        trend = fit_trend(memory_segments(attempts, rank, "host_rss_bytes", options.warmup_steps),
                           confidence=options.confidence)
         last = [r["host_rss_bytes"] for a in attempts for r in a.records.steps(rank)[-1:]]
         if trend is not None:

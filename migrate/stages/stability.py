@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 from pydantic import Field, model_validator
 
@@ -30,7 +31,12 @@ from convergence.checks import CheckResult
 from convergence.stability import (HealthLimits, Recovery, Segment, StabilityVerdict, Trend, check_growth,
                                    check_health, check_periodic, check_tails, compare_steps, fit_trend,
                                    periodic_slowdown, step_times)
+from checkpoint.layout import ParallelLayout
 from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
+from migrate.workload.model_spec import Kill
+
+if TYPE_CHECKING:
+    from migrate.workload.long_run import RunRecords
 
 MIB = 2**20
 DEFAULT_STEPS = 200
@@ -108,7 +114,7 @@ class Attempt:
     loaded: str
     started_at: float
     ended_at: float
-    records: Any  # migrate.workload.long_run.RunRecords
+    records: "RunRecords"
     failure: str = ""
     failed_ranks: tuple[int, ...] = ()
     stopped: str | None = None  # the engine stopped by itself (non-finite metrics)
@@ -159,13 +165,13 @@ class RunPlan:
     """The fixed inputs of the run's attempts."""
 
     engine: str
-    layout: Any  # checkpoint.layout.ParallelLayout
+    layout: ParallelLayout
     micro_batch_size: int
     start_step: int
     end_step: int
     deadline: float | None
     save_dir: Path
-    kills: tuple[Any, ...]  # migrate.workload.model_spec.Kill, global steps
+    kills: tuple[Kill, ...]  # at global steps
 
 
 def _failure_text(exc: Any) -> tuple[str, tuple[int, ...]]:
@@ -206,7 +212,7 @@ def _select(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_attempt(ctx: StageContext, plan: RunPlan, options: StabilityOptions, *, index: int, load: tuple[int, str],
-                 kills: tuple[Any, ...], protected: tuple[str, ...]) -> Attempt:
+                 kills: tuple[Kill, ...], protected: tuple[str, ...]) -> Attempt:
     from migrate.runtime.worker_group import WorkerGroupError
     from migrate.stages.train import MetricsFollower
     from migrate.workload.engines import rank_entry
@@ -261,6 +267,10 @@ def _run_attempts(ctx: StageContext, plan: RunPlan, options: StabilityOptions,
         decision = decide_recovery(attempt, restarts=len(attempts) - 1, max_restarts=options.max_restarts,
                                    committed=committed)
         decisions.append(decision)
+        if attempt.failure:
+            sys.stderr.write(f"[stability] {decision.reason}" + (f" (restart {len(attempts)} of {options.max_restarts})"
+                                                                 if decision.action == "restart" else "") + "\n")
+            ctx.log_metrics(attempt.last_step, {"failures": sum(1 for a in attempts if a.failure)})
         if decision.action != "restart":
             return attempts, decisions
         _drop_uncommitted(plan.save_dir, committed)
@@ -297,7 +307,8 @@ def merged_steps(attempts: Sequence[Attempt]) -> list[dict[str, Any]]:
     return [final[s] for s in sorted(final)]
 
 
-def _memory_segments(attempts: Sequence[Attempt], rank: int, key: str, warmup: int) -> list[Segment]:
+def memory_segments(attempts: Sequence[Attempt], rank: int, key: str, warmup: int) -> list[Segment]:
+    """One segment per attempt of rank `rank`'s `key` (bytes, as MiB), without its first `warmup` steps."""
     segments = []
     for attempt in attempts:
         rows = [r for r in attempt.records.steps(rank) if key in r]
@@ -307,10 +318,10 @@ def _memory_segments(attempts: Sequence[Attempt], rank: int, key: str, warmup: i
     return segments
 
 
-def _worst_trend(attempts: Sequence[Attempt], ranks: Sequence[int], key: str, options: StabilityOptions
+def worst_trend(attempts: Sequence[Attempt], ranks: Sequence[int], key: str, options: StabilityOptions
                  ) -> tuple[int, Trend | None, dict[int, Trend]]:
     """(rank, trend) of the rank whose growth is most significant (largest lower bound), and every rank's."""
-    trends = {r: t for r in ranks if (t := fit_trend(_memory_segments(attempts, r, key, options.warmup_steps),
+    trends = {r: t for r in ranks if (t := fit_trend(memory_segments(attempts, r, key, options.warmup_steps),
                                                      confidence=options.confidence)) is not None}
     if not trends:
         return (ranks[0] if ranks else 0), None, {}
@@ -345,7 +356,7 @@ def judge(attempts: Sequence[Attempt], decisions: Sequence[RecoveryDecision], pl
     for code, key, what, limit in memory:
         if not any(key in row for a in attempts for row in a.records.steps(0)):
             continue
-        rank, trend, per_rank = _worst_trend(attempts, ranks, key, options)
+        rank, trend, per_rank = worst_trend(attempts, ranks, key, options)
         checks.append(check_growth(code, f"{what} of rank {rank}", trend, limit, "MiB"))
         for r, t in per_rank.items():
             details["ranks"].setdefault(str(r), {})[code] = {"slope": t.slope, "lower": t.lower, "upper": t.upper}
@@ -406,7 +417,6 @@ def run(ctx: StageContext) -> StageOutcome:
     from migrate.stages._target import target_layout, target_micro_batch
     from migrate.stages.resume import checkpoint_step, manifest_problems
     from migrate.workload.from_job import default_engine
-    from migrate.workload.model_spec import Kill
 
     options: StabilityOptions = ctx.options  # type: ignore[assignment]
     job = ctx.job.spec
