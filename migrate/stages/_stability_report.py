@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from convergence.stability import StabilityVerdict, fit_trend, step_times
+from convergence.stability import StabilityVerdict, step_times
 from migrate.pipeline.stage import StageContext, StageOutcome
 
 if TYPE_CHECKING:
@@ -61,24 +61,18 @@ def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOp
     return images
 
 
-def _rank_table(attempts: Sequence["Attempt"], options: "StabilityOptions") -> str:
-    """Host RSS growth per rank (the 8 largest when there are more than 16 ranks)."""
-    from migrate.stages.stability import memory_segments
-
-    rows = []
-    for rank in sorted({r for a in attempts for r in a.records.ranks}):
-        trend = fit_trend(memory_segments(attempts, rank, "host_rss_bytes", options.warmup_steps),
-                          confidence=options.confidence)
-        last = [r["host_rss_bytes"] for a in attempts for r in a.records.steps(rank)[-1:]]
-        if trend is not None:
-            rows.append((trend.lower, f"| {rank} | {trend.slope:+.3g} | [{trend.lower:+.3g}, {trend.upper:+.3g}] | "
-                                      f"{(last[-1] / MIB) if last else float('nan'):.1f} |"))
-    if len(rows) > 16:
-        rows = sorted(rows, reverse=True)[:8]
-    if not rows:
+def _rank_table(verdict: StabilityVerdict, attempts: Sequence["Attempt"]) -> str:
+    """Host RSS growth per rank as judged (the 8 largest lower bounds when there are more than 16 ranks)."""
+    per_rank = {int(r): v["host_memory_growth"] for r, v in verdict.details.get("ranks", {}).items()
+                if "host_memory_growth" in v}
+    last = {r: rows[-1]["host_rss_bytes"] / MIB for r in per_rank
+            if (rows := attempts[-1].records.steps(r)) and "host_rss_bytes" in rows[-1]}
+    shown = sorted(per_rank, key=lambda r: per_rank[r]["lower"], reverse=True)[:8] if len(per_rank) > 16 else sorted(per_rank)
+    if not shown:
         return ""
     return ("| rank | host RSS growth (MiB / 1,000 steps) | interval | last RSS (MiB) |\n|---|---|---|---|\n"
-            + "\n".join(r for _, r in rows) + "\n")
+            + "".join(f"| {r} | {per_rank[r]['slope']:+.3g} | [{per_rank[r]['lower']:+.3g}, {per_rank[r]['upper']:+.3g}] | "
+                      f"{last.get(r, float('nan')):.1f} |\n" for r in shown))
 
 
 def write_outputs(ctx: StageContext, plan: "RunPlan", options: "StabilityOptions", attempts: Sequence["Attempt"],
@@ -147,7 +141,7 @@ def write_outputs(ctx: StageContext, plan: "RunPlan", options: "StabilityOptions
                     "recomputed | time to recover (s) |\n|---|---|---|---|---|---|\n" + failure_rows + "\n")
         summary += "".join(f"| {a.index} | {a.last_step} | {a.failure.replace('|', '/')} | not recovered | - | - |\n"
                            for a in unrecovered) + "\n"
-    table = _rank_table(attempts, options)
+    table = _rank_table(verdict, attempts)
     if table:
         summary += "Host memory per rank, after the first " f"{options.warmup_steps} steps of each attempt:\n\n" + table + "\n"
     if stats:

@@ -268,15 +268,17 @@ def _run_attempts(ctx: StageContext, plan: RunPlan, options: StabilityOptions,
                                    committed=committed)
         decisions.append(decision)
         if attempt.failure:
-            sys.stderr.write(f"[stability] {decision.reason}" + (f" (restart {len(attempts)} of {options.max_restarts})"
-                                                                 if decision.action == "restart" else "") + "\n")
             ctx.log_metrics(attempt.last_step, {"failures": sum(1 for a in attempts if a.failure)})
         if decision.action != "restart":
+            if attempt.failure:
+                sys.stderr.write(f"[stability] {decision.reason}\n")
             return attempts, decisions
-        _drop_uncommitted(plan.save_dir, committed)
-        _prune(committed[1:], options.keep_checkpoints, protected + (decision.load[1],) if decision.load else protected)
         assert decision.load is not None
+        dropped = _drop_uncommitted(plan.save_dir, committed)
+        sys.stderr.write(f"[stability] {decision.reason} (restart {len(attempts)} of {options.max_restarts})"
+                         + (f"; removed the half-written {', '.join(dropped)}" if dropped else "") + "\n")
         load = decision.load
+        _prune(committed[1:], options.keep_checkpoints, protected + (load[1],))
         reached = attempt.last_step + 1  # a kill planned at or before the step that failed has fired
         kills = tuple(k for k in kills if k.step > reached)
 
