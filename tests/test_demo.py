@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     configs = tmp_path / "configs"
     configs.mkdir()
-    shutil.copy(REPO / "configs" / "demo_cpu.yaml", configs / "demo_cpu.yaml")
+    for name in ("demo_cpu.yaml", "demo_ops.py"):  # the job and the custom operator it registers
+        shutil.copy(REPO / "configs" / name, configs / name)
     migrate_bin = Path(sys.executable).with_name("migrate")
     env = {**os.environ, "WANDB_MODE": "offline"}
     first = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
@@ -36,6 +37,9 @@ def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     for stage in summary["stages"]:
         artifact = json.loads(Path(stage["artifact"]).read_text())
         assert artifact["status"] == "succeeded"
+    ops = json.loads((work / "ops" / "ops.json").read_text())  # the demo's fused RoPE, its CPU substitute
+    assert [(v["name"], v["status"], v["chosen"]) for v in ops["custom"]] == [
+        ("fused_rope", "native", "demo_ops.py:rope_composed")]
     stability = json.loads((work / "stability" / "stability.json").read_text())  # rank 1 killed, recovered
     assert stability["passed"] and [r["steps_lost"] for r in stability["recoveries"]] == [1]
     assert {c["code"]: c["passed"] for c in stability["checks"]}["recovery_reference"] is True

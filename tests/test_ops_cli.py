@@ -48,11 +48,13 @@ def test_ops_cli_refuses_two_different_jobs(tmp_path):
 def test_ops_stage_probe_runs_on_the_worker_device():
     import yaml
 
-    from migrate.stages.ops import OpsOptions, probe
+    from migrate.stages.ops import OpsOptions, OpsRequest, probe
 
     job = yaml.safe_load(DEMO.read_text())
     options = OpsOptions(dtypes=("fp16",), operators=("gelu", "embedding"))
-    result = probe(SimpleNamespace(device="cpu"), options.model_dump(), job["model"], 1234, "fp32")
+    request = OpsRequest(options=options.model_dump(mode="json"), model_section=job["model"], seed=1234,
+                         drift_dtype="fp32", base=str(DEMO.parent))
+    result = probe(SimpleNamespace(device="cpu", rank=0, world_size=1), request)
     assert result["passed"], result["reasons"]
     assert [r["op"] for r in result["operators"]] == ["gelu", "embedding"]
     assert result["drift"]["first_drift"] is None

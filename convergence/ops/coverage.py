@@ -37,6 +37,12 @@ class OpCoverage:
     count: int
     status: CoverageStatus
     detail: str
+    registered: str | None = None
+    """For an operator outside aten and prims (a user's custom operator): the registry operator that checks it."""
+
+    @property
+    def custom(self) -> bool:
+        return self.op.split("::")[0] not in ("aten", "prims")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,13 +60,19 @@ class CoverageReport:
         return tuple(o.op for o in self.ops if o.status == "fallback") + self.observed_cpu_fallbacks
 
     @property
+    def unregistered(self) -> tuple[str, ...]:
+        """Custom operators the model calls that no registry entry checks."""
+        return tuple(o.op for o in self.ops if o.custom and o.registered is None)
+
+    @property
     def passed(self) -> bool:
         return not self.missing and not self.fallback
 
     def to_dict(self) -> dict[str, Any]:
         return {"dispatch_key": self.dispatch_key, "passed": self.passed, "missing": list(self.missing),
-                "fallback": list(self.fallback),
-                "ops": [{"op": o.op, "count": o.count, "status": o.status, "detail": o.detail} for o in self.ops]}
+                "fallback": list(self.fallback), "unregistered": list(self.unregistered),
+                "ops": [{"op": o.op, "count": o.count, "status": o.status, "detail": o.detail,
+                         "custom": o.custom, "registered": o.registered} for o in self.ops]}
 
 
 class _Recorder(TorchDispatchMode):
@@ -106,15 +118,19 @@ def op_status(op: str, dispatch_key: str) -> tuple[CoverageStatus, str]:
     return "missing", f"no {dispatch_key} kernel, no composite kernel, no backend fallback"
 
 
-def scan(recorded: RecordedOps, dispatch_key: str, *, ignore: Iterable[str] = ()) -> CoverageReport:
-    """Coverage of every recorded operator on ``dispatch_key`` (pure apart from dispatcher queries)."""
+def scan(recorded: RecordedOps, dispatch_key: str, *, ignore: Iterable[str] = (),
+         registered: Mapping[str, str] | None = None) -> CoverageReport:
+    """Coverage of every recorded operator on ``dispatch_key`` (pure apart from dispatcher queries);
+    `registered` maps a custom operator's name (``namespace::name``) to the registry operator checking it."""
     skip = set(ignore)
+    known = dict(registered or {})
     rows = []
     for op, count in sorted(recorded.counts.items()):
         if op in skip:
             continue
         status, detail = op_status(op, dispatch_key)
-        rows.append(OpCoverage(op=op, count=count, status=status, detail=detail))
+        base = op.split(".")[0]  # an overload (ns::op.default) is registered under its packet's name
+        rows.append(OpCoverage(op=op, count=count, status=status, detail=detail, registered=known.get(op, known.get(base))))
     return CoverageReport(dispatch_key=dispatch_key, ops=tuple(rows),
                           observed_cpu_fallbacks=recorded.cpu_outputs_from_device_inputs)
 

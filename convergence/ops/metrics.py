@@ -64,16 +64,21 @@ def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(e - MANTISSA_BITS[dtype])
 
 
-def tensor_error(name: str, actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> TensorError:
-    """Compare ``actual`` (any device, ``dtype``) with ``reference`` (float64 CPU)."""
-    th = THRESHOLDS[dtype]
+def tensor_error(name: str, actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype,
+                 thresholds: Thresholds | None = None) -> TensorError:
+    """Compare ``actual`` (any device, ``dtype``) with ``reference`` (float64 CPU), by ``thresholds``
+    (default: the dtype's)."""
+    th = thresholds or THRESHOLDS[dtype]
     a = actual.detach().to("cpu", torch.float64).reshape(-1)
     r = reference.detach().to("cpu", torch.float64).reshape(-1)
     if a.shape != r.shape:
         raise ValueError(f"{name}: shape {tuple(actual.shape)} vs reference {tuple(reference.shape)}")
-    finite = torch.isfinite(a)
-    nonfinite = int((~finite & torch.isfinite(r)).sum())
+    reference_finite = torch.isfinite(r)
+    same_nonfinite = (torch.isnan(a) & torch.isnan(r)) | (a == r)  # NaN where the reference is NaN, the same Inf
+    nonfinite = int((~torch.isfinite(a) & reference_finite).sum()) + int((~reference_finite & ~same_nonfinite).sum())
+    a, r = a[reference_finite], r[reference_finite]  # the rest is measured where the reference is finite
     err = (a - r).abs()
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
     rms = max(float(r.pow(2).mean().sqrt()) if r.numel() else 0.0, 1e-300)
     denom = float(a.norm() * r.norm())
     max_abs = float(err.max()) if err.numel() else 0.0
@@ -86,7 +91,7 @@ def tensor_error(name: str, actual: torch.Tensor, reference: torch.Tensor, dtype
     eps = EPS[dtype]
     reasons = []
     if nonfinite:
-        reasons.append(f"{nonfinite} non-finite values where the reference is finite")
+        reasons.append(f"{nonfinite} values non-finite where the reference is finite, or differing where it is not")
     if not cosine >= th.cosine_min:
         reasons.append(f"cosine {cosine:.7f} < {th.cosine_min}")
     if not max_abs / rms <= th.max_abs_eps * eps:
@@ -95,7 +100,7 @@ def tensor_error(name: str, actual: torch.Tensor, reference: torch.Tensor, dtype
         reasons.append(f"max relative error {max_rel:.3e} = {max_rel / eps:.1f} eps > {th.max_rel_eps:g} eps")
     if not mean_ulp <= th.mean_ulp:
         reasons.append(f"mean ULP error {mean_ulp:.2f} > {th.mean_ulp:g}")
-    return TensorError(name=name, numel=a.numel(), cosine=cosine, max_abs=max_abs, max_abs_over_rms=max_abs / rms,
+    return TensorError(name=name, numel=actual.numel(), cosine=cosine, max_abs=max_abs, max_abs_over_rms=max_abs / rms,
                        max_rel=max_rel, mean_ulp=mean_ulp, max_ulp=max_ulp,
                        nonfinite=nonfinite, passed=not reasons, reasons=tuple(reasons))
 
