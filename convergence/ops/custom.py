@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from convergence.ops.metrics import EPS, TensorError, Thresholds, tensor_error
+from convergence.ops.numerics import is_unsupported
 from convergence.ops.registry import DTYPE_NAMES, OperatorSpec, implementation_name
 
 OperatorStatus = Literal["native", "fallback", "missing", "wrong"]
@@ -237,12 +238,6 @@ def check_tensor(name: str, actual: torch.Tensor, reference64: torch.Tensor, sam
                        passed=passed, first_wrong=None if passed else first_wrong(name, actual, reference64, dtype, th))
 
 
-def _unsupported(exc: BaseException) -> bool:
-    from convergence.ops.numerics import _unsupported as builtin_rule
-
-    return isinstance(exc, Exception) and builtin_rule(exc)
-
-
 def _run(op: OperatorSpec, fn: Callable[..., Any], label: str, inputs: Mapping[str, torch.Tensor],
          grads: Sequence[torch.Tensor], reference64: Execution, same_dtype: Execution | None, *, device: str,
          dtype_name: str, case: str) -> RunResult:
@@ -250,7 +245,7 @@ def _run(op: OperatorSpec, fn: Callable[..., Any], label: str, inputs: Mapping[s
     try:
         got = execute(op, fn, inputs, grads, device=device, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - reported with the implementation
-        status: RunStatus = "unsupported" if _unsupported(exc) else "error"
+        status: RunStatus = "unsupported" if is_unsupported(exc) else "error"
         return RunResult(implementation=label, dtype=dtype_name, case=case, status=status,
                          reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     th = op.threshold(dtype_name)

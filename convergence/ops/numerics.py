@@ -103,7 +103,8 @@ CASES: tuple[OpCase, ...] = (
 OPERATORS: tuple[str, ...] = tuple(c.name for c in CASES) + ("dropout",)
 
 
-def _unsupported(exc: Exception) -> bool:
+def is_unsupported(exc: Exception) -> bool:
+    """Whether an exception says the device has no kernel for an operator or dtype."""
     text = str(exc)
     return (isinstance(exc, NotImplementedError) or "not implemented for" in text or "Could not run" in text
             or "not supported" in text)
@@ -129,7 +130,7 @@ def run_case(case: OpCase, device: str, dtype: torch.dtype, dtype_name: str, see
         out.backward(grad_out.to(device))
         expected.backward(grad_out.to(torch.float64))
     except (RuntimeError, NotImplementedError) as exc:
-        if _unsupported(exc):
+        if is_unsupported(exc):
             return OpResult(op=case.name, dtype=dtype_name, device=device, status="unsupported",
                             reason=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         raise
@@ -157,7 +158,7 @@ def check_dropout(device: str, dtype: torch.dtype, dtype_name: str, p: float = 0
         y = dropout(x, p=p, training=True)
         y.backward(torch.ones_like(y))
     except (RuntimeError, NotImplementedError) as exc:
-        if _unsupported(exc):
+        if is_unsupported(exc):
             return OpResult(op="dropout", dtype=dtype_name, device=device, status="unsupported", reason=str(exc).splitlines()[0])
         raise
     yc, gc = y.detach().to("cpu", torch.float64), x.grad.to("cpu", torch.float64)
