@@ -149,8 +149,10 @@ def in_flight(cand: Candidate, num_microbatches: int, stage: int) -> int:
 
 
 def estimate_memory(model: ModelShape, train: TrainingShape, cand: Candidate, device: DeviceProfile,
-                    flash_attention: bool | None = None) -> MemoryEstimate:
-    """Peak bytes per rank over the pipeline stages (the worst stage is reported)."""
+                    flash_attention: bool | None = None, allocated: bool | None = None) -> MemoryEstimate:
+    """Peak bytes per rank over the pipeline stages (the worst stage is reported). `allocated` counts every
+    byte allocated, as an accelerator's allocator does (default on accelerators); off, buffers allocated but
+    never written count only as far as they are touched, as the CPU's resident memory does (default there)."""
     flash = device.device_type != "cpu" if flash_attention is None else flash_attention
     lay = cand.layout
     m = cand.num_microbatches(train.global_batch_size)
@@ -177,8 +179,9 @@ def estimate_memory(model: ModelShape, train: TrainingShape, cand: Candidate, de
             transient += 3 * logits * 4  # fp32 logits, softmax and its gradient in the loss
         if lay.zero_stage >= 3:
             transient += 2 * (dense + experts) * train.bytes_per_element  # gathered parameters of the live modules
-        if lay.zero_stage >= 2:
-            transient += ipg_bucket_bytes(dense + experts, train, device)
+        if cand.framework == "deepspeed" and lay.zero_stage >= 1:
+            transient += ipg_bucket_bytes(dense + experts, train, device, lay.zero_stage,
+                                          allocated=device.device_type != "cpu" if allocated is None else allocated)
         estimate = MemoryEstimate(stage=stage, weights=weights, gradients=gradients, optimizer=optimizer,
                                   activations=kept, transient=transient, reserved=device.memory_reserved_gb * 1e9,
                                   fragmentation=device.memory_fragmentation, in_flight_microbatches=count)
@@ -191,14 +194,16 @@ def estimate_memory(model: ModelShape, train: TrainingShape, cand: Candidate, de
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default zero_optimization.reduce_bucket_size
 
 
-def ipg_bucket_bytes(params: float, train: TrainingShape, device: DeviceProfile) -> float:
-    """DeepSpeed ZeRO-2/3's contiguous gradient bucket (`ipg_buffer` / `__ipg_bucket_flat_buffer`): one
-    `torch.empty` of reduce_bucket_size elements. An accelerator's allocator counts all of it; on the CPU
-    only the pages the gradients are copied into become resident (at most the rank's parameters)."""
+def ipg_bucket_bytes(params: float, train: TrainingShape, device: DeviceProfile, zero_stage: int = 2, *,
+                     allocated: bool = True) -> float:
+    """DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: a `torch.empty` of reduce_bucket_size elements per
+    backward (ZeRO-1/2: `DeepSpeedZeroOptimizer.setup_buckets`, fp32 for ZeRO-1, which stages the fp32
+    accumulator, the parameters' dtype for ZeRO-2; ZeRO-3: `__ipg_bucket_flat_buffer`). An allocator counts
+    all of it; resident memory holds only the pages the gradients are written to (at most the parameters)."""
     elements = DEEPSPEED_REDUCE_BUCKET_ELEMENTS
-    if device.device_type == "cpu":
+    if not allocated:
         elements = min(elements, params)
-    return elements * train.bytes_per_element
+    return elements * (4.0 if zero_stage == 1 else train.bytes_per_element)
 
 
 def fits(estimate: MemoryEstimate, device: DeviceProfile) -> str | None:

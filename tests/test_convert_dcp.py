@@ -94,3 +94,17 @@ def test_dcp_to_deepspeed_loads_in_deepspeed_and_trains_on(fsdp_checkpoint, tmp_
     reference = _continue(ckpt.spec, "fsdp", ckpt.path, 1, steps=4)
     assert ours[0] == pytest.approx(reference[0], rel=1e-6)
     assert ours[1] == pytest.approx(reference[1], rel=1e-4)
+
+
+def test_deepspeed_through_dcp_and_back_keeps_the_lists_of_its_client_state(deepspeed_checkpoint, tmp_path):
+    """DCP flattens nested values with their list positions (`migrate.roles.0.rank`); read back they are lists
+    again, so DeepSpeed -> DCP -> DeepSpeed carries every rank's RNG state and role, and DeepSpeed resumes."""
+    ckpt = deepspeed_checkpoint(2, 1)
+    convert(ckpt.path, tmp_path / "dcp", to="dcp")
+    carried = read_index(tmp_path / "dcp").meta["dcp_values"]["migrate"]
+    assert isinstance(carried["roles"], list) and isinstance(carried["rng"], list) and len(carried["rng"]) == 2
+    assert isinstance(carried["data"]["consumed_samples_per_rank"], list)
+    convert(tmp_path / "dcp", tmp_path / "back", to="deepspeed", dp=2, zero_stage=1)
+    ours = _continue(ckpt.spec, "deepspeed", tmp_path / "back", 2, steps=4)
+    reference = _continue(ckpt.spec, "deepspeed", ckpt.path, 2, steps=4)
+    assert ours == reference

@@ -87,3 +87,23 @@ def test_memory_never_under_predicts_measured_peak_on_the_workloads():
         profiler.close()
     print("predicted / measured peak:", {k: round(v, 2) for k, v in ratios.items()})
     assert min(ratios.values()) >= 1.0, ratios
+
+
+def test_deepspeed_zero1_and_2_count_the_gradient_bucket_they_allocate():
+    """DeepSpeed 0.19's ZeRO-1 and ZeRO-2 allocate reduce_bucket_size elements per backward (fp32 staging for
+    ZeRO-1, the parameters' dtype for ZeRO-2); the accelerator check's allocator-level CPU measure found the
+    ZeRO-1 bucket missing. Accelerators count the whole bucket; the CPU's resident memory only what is touched."""
+    small = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
+    train = TrainingShape(global_batch_size=8, precision="bf16")
+    ds = {s: Candidate(framework="deepspeed", layout=ParallelLayout(dp=1, sharding=s), micro_batch_size=1)
+          for s in (OptimizerSharding.NONE, OptimizerSharding.ZERO1, OptimizerSharding.ZERO2)}
+    none, zero1, zero2 = (estimate_memory(small, train, ds[s], NPU).transient for s in ds)
+    assert zero1 - none == pytest.approx(5e8 * 4) and zero2 - none == pytest.approx(5e8 * 2)
+    cpu = load_profile("cpu")
+    resident = estimate_memory(small, train, ds[OptimizerSharding.ZERO1], cpu).transient
+    allocated = estimate_memory(small, train, ds[OptimizerSharding.ZERO1], cpu, allocated=True).transient
+    assert allocated - resident > 1.9e9 and resident < 1e8
+    megatron = Candidate(framework="megatron", layout=ParallelLayout(dp=1, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER),
+                         micro_batch_size=1)
+    assert estimate_memory(small, train, megatron, NPU).transient < 1e8  # Megatron-Core has no such bucket

@@ -140,7 +140,11 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
     storage = storage_by_index(md, root)
     files = check_data_files(md, root)
     planner_data = dict(md.planner_data or {})
-    paths = {fqn: tuple(str(p) for p in planner_data.get(fqn, tuple(fqn.split(".")))) for fqn in md.state_dict_metadata}
+    # DCP's flattened paths keep list positions as ints (param_groups.0.lr); the index speaks in strings,
+    # and the carried values are nested again by the typed paths so that their lists come back as lists.
+    typed = {fqn: tuple(planner_data.get(fqn, tuple(fqn.split(".")))) for fqn in md.state_dict_metadata}
+    paths = {fqn: tuple(str(p) for p in path) for fqn, path in typed.items()}
+    list_positions = {paths[fqn]: path for fqn, path in typed.items()}
     tensor_bytes = {paths[fqn]: math.prod(item.size) * dtype_size(dtype_name(item.properties.dtype))
                     for fqn, item in md.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}
     layout = find_layout(tensor_bytes, where=str(root))
@@ -182,7 +186,7 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
         raise LayoutMismatchError(f"{root}: declared tp={expect_tp} but the checkpoint was saved at tp={tp} "
                                   f"(dp={dp}, {world} rank files)")
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=(METADATA, *files),
-                           meta=_meta(entries, values, layout, world, dp=dp, tp=tp))
+                           meta=_meta(entries, values, layout, world, dp=dp, tp=tp, typed_paths=list_positions))
 
 
 _SMALL_TENSOR = 1 << 20  # bytes: a counter or buffer beside the model, not a weight
@@ -242,13 +246,14 @@ def _scalar(value: Any) -> Any:
 
 
 def _meta(entries: Sequence[TensorEntry], values: Mapping[tuple[Any, ...], Any], layout: DCPLayout, world: int, *,
-          dp: int | None = None, tp: int = 1) -> dict[str, Any]:
+          dp: int | None = None, tp: int = 1,
+          typed_paths: Mapping[tuple[str, ...], tuple[Any, ...]] | None = None) -> dict[str, Any]:
     params = [e for e in entries if e.key.kind is Kind.PARAM]
     names = [e.key.name for e in params]
     groups = param_groups(layout, values, names)
     optim_root = layout.optimizer_root
     outside = {p: v for p, v in values.items() if optim_root is None or p[:len(optim_root)] != optim_root}
-    others = _nest(outside)
+    others = _nest({(typed_paths or {}).get(p, p): v for p, v in outside.items()})
     client = {k: v for k, v in others.items() if k != "lr_scheduler"}
     step = None
     if isinstance(client.get("migrate"), Mapping):
