@@ -322,13 +322,21 @@ def memory_and_step_time(device: str, size: CheckSize, deadline: float) -> StepR
     under = [r["candidate"] + f" seq {r['seq_length']}" for r in done if r["under_predicted"]]
     ratios = [r["tensor_ratio"] for r in done]
     calibrated = [abs(r["calibrated_ratio"] - 1) for r in done if "calibrated_ratio" in r]
+    from migrate.search.profiler import unsupported_by_builtin
+    from parallel_search.space import Candidate
+
+    unrunnable = [rc for rc in ("selective", "full") if unsupported_by_builtin(
+        Candidate(framework="megatron", layout=ParallelLayout(dp=1), micro_batch_size=1, recompute=rc))]
     data = {"profile": profile.name, "rows": rows, "under_predicted": under, "measured": len(done),
+            "not_run": [f"recompute {' and '.join(unrunnable)}: the built-in workloads have none (the search "
+                        f"profiles such candidates with the user's own launch command)"] if unrunnable else [],
             "skipped": sum(1 for r in rows if str(r.get("status", "")).startswith("skipped")),
             "failed": sum(1 for r in rows if str(r.get("status", "")).startswith("failed"))}
     summary = (f"{len(done)} of {len(rows)} candidates measured; predicted/measured tensor bytes "
                f"{min(ratios, default=float('nan')):.2f}..{max(ratios, default=float('nan')):.2f}; "
                + (f"UNDER-PREDICTED: {', '.join(under)}" if under else "no under-prediction")
-               + (f"; calibrated step time within {max(calibrated):.0%} (leave one out)" if calibrated else ""))
+               + (f"; calibrated step time within {max(calibrated):.0%} (leave one out)" if calibrated else "")
+               + ("; not run: " + "; ".join(data["not_run"]) if data["not_run"] else ""))
     return StepReport(name="memory_and_step_time", status="ok" if done else "failed", data=data, summary=summary,
                       error="" if done else "no candidate could be measured")
 
