@@ -8,7 +8,7 @@ Formats come from `checkpoint.formats.FORMATS`; nothing here names a format.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,21 +126,28 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
             map_fn: MapFn | None = None,
             trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
             expect_dp: int | None = None, expect_stage: int | None = None, expect_tp: int | None = None,
-            expect_pp: int | None = None, expect_ep: int | None = None) -> ConversionOutcome:
+            expect_pp: int | None = None, expect_ep: int | None = None,
+            phase: Callable[..., None] | None = None) -> ConversionOutcome:
     """Read `src`, plan for the target, and (unless dry_run) write `dst` atomically with a manifest.
 
     `dst` may neither be the source nor lie inside it (nor contain it); `existing` says what to do with an
-    earlier conversion's output there (refuse, resume an unfinished one, overwrite)."""
+    earlier conversion's output there (refuse, resume an unfinished one, overwrite). `phase(text, files=())`
+    is told each phase as it begins (reading the source, planning, writing: with the relative paths of the
+    files to be written), for a caller that shows progress."""
+    say = phase or (lambda *_, **__: None)
     check_disjoint(src, dst)
+    say(f"reading the source index of {src}")
     index = read_index(src, trust_checkpoint=trust_checkpoint, expect_dp=expect_dp, expect_stage=expect_stage,
                        expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep, follow_symlinks=follow_symlinks,
                        model_config=model_config)
     check_disjoint(index.root, dst)
+    say(f"planning {to} from {len(index.entries)} source tensors in {len(index.files)} files")
     plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
                                    arch=arch, model_config=model_config, max_shard_size=max_shard_size,
                                    dcp_layout=dcp_layout, param_names=param_names)
     check_destination(Path(dst), existing)
     if dry_run:
         return ConversionOutcome(plan=plan, result=None)
+    say(f"writing {len(plan.target.files)} files to {dst}", files=[f.path for f in plan.target.files])
     return ConversionOutcome(plan=plan, result=execute(plan, writer, dst, map_fn=map_fn,
                                                        trust_checkpoint=trust_checkpoint, existing=existing))

@@ -54,7 +54,8 @@ from checkpoint import safe_load
 from checkpoint.destination import (INCOMPLETE, MANIFEST, CommitFile, Existing, check_state, close_destination,
                                     fsync_dir, journal, open_destination)
 from checkpoint.errors import CheckpointError, CheckpointFormatError, DestinationError, UntrustedCheckpointError
-from checkpoint.index import KeyPath
+from checkpoint.index import ChunkRef, KeyPath
+from checkpoint.overlap import global_flat_range, row_major_strides
 from checkpoint.paths import inside
 from checkpoint.plan import ConversionPlan, CopyItem, TargetFile
 
@@ -277,8 +278,30 @@ def _copy_bytes(src: torch.Tensor, s: int, dst: torch.Tensor, d: int, n: int) ->
     return True
 
 
+def _region_view(stored: torch.Tensor, chunk: ChunkRef, item: CopyItem, *, where: str) -> torch.Tensor:
+    """One side of a region item: the region as a narrowed box of a box chunk, or as a strided window (the
+    global tensor's row-major strides) of a flat chunk's range."""
+    assert item.region is not None and item.global_shape is not None
+    whole = _region(stored, chunk.storage_offset, chunk.numel, where=where)
+    offsets, lengths = zip(*item.region) if item.region else ((), ())
+    if chunk.flat_range is None:
+        view = whole.view(chunk.lengths)
+        for dim, (o, n) in enumerate(item.region):
+            view = view.narrow(dim, o - chunk.offsets[dim], n)
+        return view
+    strides = row_major_strides(item.global_shape)
+    span = global_flat_range(chunk.offsets, chunk.lengths, item.global_shape, chunk.flat_range)
+    assert span is not None
+    first = sum(o * s for o, s in zip(offsets, strides)) - span[0]
+    return whole.as_strided(tuple(lengths), strides, whole.storage_offset() + first)
+
+
 def copy_item(item: CopyItem, src: torch.Tensor, dst: torch.Tensor, *, src_where: str) -> None:
     """Copy one item's region from the stored source tensor into the target buffer."""
+    if item.region is not None:
+        sview = _region_view(src, item.src, item, where=f"{src_where} {list(item.src.key)} ({item.tensor})")
+        _region_view(dst, item.dst, item, where=f"target {item.dst.file} {list(item.dst.key)}").copy_(sview)
+        return
     if item.flat is not None:
         s, d, n = item.flat
         dview = _region(dst, d, n, where=f"target {item.dst.file} {list(item.dst.key)}")
@@ -692,7 +715,9 @@ def _run_in(lengths: Sequence[int], starts: Sequence[int], counts: Sequence[int]
 
 def _box_run(item: CopyItem) -> tuple[int, int, int] | None:
     """(source element offset, target element offset, count) of a box item that moves one contiguous
-    run in both chunks (e.g. a whole tensor, or a range of dim-0 rows), else None."""
+    run in both chunks (e.g. a whole tensor, or a range of dim-0 rows), else None (region items too)."""
+    if item.region is not None:
+        return None
     slen, dlen = tuple(item.src.lengths), tuple(item.dst.lengths)
     if len(slen) != len(dlen):
         return None
@@ -890,7 +915,7 @@ def plan_id(plan: ConversionPlan, writer: Writer) -> str:
         except OSError:
             h.update(f"{rel}\0missing\n".encode())
     h.update(repr((plan.source.root, plan.source.format, plan.target.index.format, type(writer).__qualname__,
-                   plan.target.commit, len(plan.items))).encode())
+                   plan.target.commit, plan.target_chunks)).encode())
     for f in plan.target.files:
         h.update(repr(f).encode())
     h.update(repr(sorted(plan.target.index.meta.items(), key=lambda kv: kv[0])).encode())

@@ -8,7 +8,7 @@ consumes and `summarize` prints.
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -17,7 +17,7 @@ from typing import Any
 
 from checkpoint.errors import PlanError
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_size
-from checkpoint.overlap import box_as_flat_range, box_overlap, global_flat_range, range_overlap
+from checkpoint.overlap import box_as_flat_range, box_overlap, box_range_pieces, global_flat_range, range_overlap
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,8 +65,11 @@ class TargetSpec:
 class CopyItem:
     """Copy one region of a source chunk into a target chunk.
 
-    `flat` = (source element, target element, length) in the flattened stored tensors; otherwise
-    `narrows` = (dim, offset in source box, offset in target box, length) per dim.
+    `flat` = (source element, target element, length) in the flattened stored tensors; or
+    `narrows` = (dim, offset in source box, offset in target box, length) per dim between two boxes; or
+    `region` = (global offset, length) per dim of a box of the global tensor of `global_shape` that one side
+    stores as a box and the other as a flat range of the row-major order (a column slice meeting a ZeRO
+    partition): each side views it as a narrowed box or as a strided window of its flat range.
     """
 
     tensor: TensorKey
@@ -76,22 +79,64 @@ class CopyItem:
     narrows: tuple[tuple[int, int, int, int], ...] | None
     numel: int
     cast: bool = False  # source kind differs (param derived from the fp32 master)
+    region: tuple[tuple[int, int], ...] | None = None
+    global_shape: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class ConversionPlan:
-    """Frozen result of planning; printable with `summarize`."""
+    """Frozen result of planning; printable with `summarize`.
+
+    `make_plan` checks everything before any byte moves (every target tensor's source, shape and dtype, the
+    source chunks tiling it, the target files); the copy items of one target file are computed when the
+    executor (or `items`) asks for them (`items_for`, pure, memoized), so a plan of millions of items needs
+    none of them in memory to be printed or checked. `fixed_items` holds items given whole instead."""
 
     source: CheckpointIndex
     target: TargetSpec
-    items: tuple[CopyItem, ...]
     src_dtypes: Mapping[TensorKey, str] = field(default_factory=dict)
+    sources: Mapping[TensorKey, tuple[TensorEntry, bool]] = field(default_factory=dict)  # target key -> (source, cast)
+    fixed_items: tuple[CopyItem, ...] | None = None
+    _memo: dict[str, tuple[CopyItem, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def chunks_by_file(self) -> dict[str, list[tuple[TensorEntry, ChunkRef]]]:
+        """Every target chunk with its tensor, by the file it is written to (memoized)."""
+        found = self._memo.get("\0chunks")
+        if found is None:
+            by_file: dict[str, list[tuple[TensorEntry, ChunkRef]]] = defaultdict(list)
+            for entry in self.target.index.entries:
+                for chunk in entry.chunks:
+                    by_file[chunk.file].append((entry, chunk))
+            found = dict(by_file)
+            self._memo["\0chunks"] = found  # type: ignore[assignment]
+        return found  # type: ignore[return-value]
+
+    def items_for(self, path: str) -> tuple[CopyItem, ...]:
+        """The copy items that fill target file `path` (raises PlanError on a chunk not covered exactly)."""
+        if self.fixed_items is not None:
+            return tuple(it for it in self.fixed_items if it.dst.file == path)
+        if path not in self._memo:
+            self._memo[path] = tuple(file_items(self, path))
+        return self._memo[path]
 
     def items_by_file(self) -> dict[str, list[CopyItem]]:
-        out: dict[str, list[CopyItem]] = defaultdict(list)
-        for it in self.items:
-            out[it.dst.file].append(it)
-        return dict(out)
+        if self.fixed_items is not None:
+            out: dict[str, list[CopyItem]] = defaultdict(list)
+            for it in self.fixed_items:
+                out[it.dst.file].append(it)
+            return dict(out)
+        return {f.path: list(items) for f in self.target.files if (items := self.items_for(f.path))}
+
+    @property
+    def items(self) -> tuple[CopyItem, ...]:
+        """Every copy item, target file by target file."""
+        if self.fixed_items is not None:
+            return self.fixed_items
+        return tuple(it for f in self.target.files for it in self.items_for(f.path))
+
+    @property
+    def target_chunks(self) -> int:
+        return sum(len(e.chunks) for e in self.target.index.entries)
 
 
 def source_for(key: TensorKey, dtype: str, source: Mapping[TensorKey, TensorEntry]) -> tuple[TensorEntry, bool]:
@@ -137,58 +182,128 @@ def _overlap(entry: TensorEntry, src: ChunkRef, dst: ChunkRef) -> tuple[tuple[in
     return (src.storage_offset + ov[0] - s[0], dst.storage_offset + ov[0] - d[0], n), None, n
 
 
-def contiguous_parts(chunk: ChunkRef, shape: tuple[int, ...]) -> tuple[ChunkRef, ...]:
-    """A box chunk that is not contiguous in the global `shape` (e.g. a column slice of a row-parallel
-    weight) as its row-major contiguous runs: same file and key, storage offsets advanced. Flat-sharded
-    and contiguous chunks come back unchanged. Lets a box meet a flat (ZeRO) chunk, row by row."""
-    if chunk.flat_range is not None or box_as_flat_range(chunk.offsets, chunk.lengths, shape) is not None:
-        return (chunk,)
-    j = max(d for d in range(len(shape)) if chunk.lengths[d] != shape[d])
-    run = math.prod(chunk.lengths[j:])
-    out = []
-    for k, idx in enumerate(itertools.product(*(range(n) for n in chunk.lengths[:j]))):
-        out.append(ChunkRef(file=chunk.file, key=chunk.key,
-                            offsets=(*(o + i for o, i in zip(chunk.offsets, idx)), *chunk.offsets[j:]),
-                            lengths=(*(1,) * j, *chunk.lengths[j:]), storage_offset=chunk.storage_offset + k * run))
-    return tuple(out)
+def _region_items(entry: TensorEntry, src: ChunkRef, dst: ChunkRef, cast: bool) -> list[CopyItem]:
+    """A plain box (not contiguous in the global tensor) against a flat chunk: the box's elements inside
+    the flat chunk's global range, as at most 2 * ndim - 1 region items (`box_range_pieces`)."""
+    box, flat = (src, dst) if dst.flat_range is not None else (dst, src)
+    span = global_flat_range(flat.offsets, flat.lengths, entry.shape, flat.flat_range)
+    if span is None or box.flat_range is not None:
+        raise PlanError(f"{entry.key}: cannot map a flat-sharded chunk onto a non-contiguous box "
+                        f"(source {src.file} box {src.offsets}+{src.lengths} flat {src.flat_range}, target {dst.file} "
+                        f"box {dst.offsets}+{dst.lengths} flat {dst.flat_range}, shape {entry.shape})")
+    return [CopyItem(tensor=entry.key, src=src, dst=dst, flat=None, narrows=None, numel=math.prod(lengths),
+                     cast=cast, region=tuple(zip(offsets, lengths)), global_shape=entry.shape)
+            for offsets, lengths in box_range_pieces(box.offsets, box.lengths, entry.shape, *span)]
 
 
 def make_plan(source: CheckpointIndex, target: TargetSpec) -> ConversionPlan:
-    """Match every target chunk with the source chunks that overlap it; raise PlanError on any gap.
+    """Check that every target element has exactly one source element and return the plan; raise PlanError
+    naming the tensor otherwise.
 
-    Pure: reads only the two indexes. Every target element must be covered exactly once.
-    """
+    Pure: reads only the two indexes. Each target tensor's source (`source_for`) must have its shape and
+    dtype (or be the fp32 master it is cast from) and chunks that tile it (their elements add up to the
+    tensor's); every target chunk must lie in a file the writer produces. Copy items are computed per target
+    file (`file_items`), which checks again that each target chunk is covered exactly once."""
     src_entries = source.by_key()
     target_files = {f.path for f in target.files}
-    items: list[CopyItem] = []
     src_dtypes: dict[TensorKey, str] = {}
+    sources: dict[TensorKey, tuple[TensorEntry, bool]] = {}
+    tiled: set[TensorKey] = set()
     for entry in target.index.entries:
         src_entry, cast = source_for(entry.key, entry.dtype, src_entries)
         if src_entry.shape != entry.shape:
             raise PlanError(f"{entry.key}: source shape {src_entry.shape} != target shape {entry.shape}")
         if src_entry.dtype != entry.dtype and not cast:
             raise PlanError(f"{entry.key}: source dtype {src_entry.dtype} != target dtype {entry.dtype}")
-        src_dtypes[entry.key] = src_entry.dtype
+        if src_entry.key not in tiled:
+            held = sum(c.numel for c in src_entry.chunks)
+            if held != src_entry.numel:  # name the first target chunk it leaves short, as the copy would
+                found = _source_chunks(src_entry)
+                for dst in entry.chunks:
+                    _, covered = _chunk_items(entry, dst, found, cast)
+                    if covered != dst.numel:
+                        raise PlanError(_short(entry, dst, covered) + f" (the source's {len(src_entry.chunks)} "
+                                        f"chunks hold {held} of the tensor's {src_entry.numel} elements)")
+                raise PlanError(f"{src_entry.key}: the source's {len(src_entry.chunks)} chunks hold {held} of the "
+                                f"tensor's {src_entry.numel} elements (shape {src_entry.shape}): "
+                                f"{'some are missing' if held < src_entry.numel else 'some overlap'}")
+            tiled.add(src_entry.key)
         for dst in entry.chunks:
             if dst.file not in target_files:
                 raise PlanError(f"{entry.key}: target chunk in {dst.file}, which the writer does not produce")
-            covered = 0
-            dst_parts: tuple[ChunkRef, ...] | None = None  # dst split into contiguous runs, when a flat chunk meets it
-            for src_chunk in src_entry.chunks:
-                mixed = (src_chunk.flat_range is None) != (dst.flat_range is None)
-                if mixed and dst_parts is None:
-                    dst_parts = contiguous_parts(dst, entry.shape)
-                for src in (contiguous_parts(src_chunk, entry.shape) if mixed else (src_chunk,)):
-                    for dst_part in (dst_parts if mixed else (dst,)):
-                        flat, narrows, n = _overlap(entry, src, dst_part)
-                        if n:
-                            items.append(CopyItem(tensor=entry.key, src=src, dst=dst_part, flat=flat,
-                                                  narrows=narrows, numel=n, cast=cast))
-                            covered += n
-            if covered != dst.numel:
-                raise PlanError(f"{entry.key}: target chunk in {dst.file} (box {dst.offsets}+{dst.lengths}, "
-                                f"flat {dst.flat_range}) needs {dst.numel} elements, the source covers {covered}")
-    return ConversionPlan(source=source, target=target, items=tuple(items), src_dtypes=src_dtypes)
+        src_dtypes[entry.key] = src_entry.dtype
+        sources[entry.key] = (src_entry, cast)
+    return ConversionPlan(source=source, target=target, src_dtypes=src_dtypes, sources=sources)
+
+
+@dataclass(frozen=True, slots=True)
+class _SourceChunks:
+    """A source tensor's chunks with what matching needs of each, computed once: the global row-major
+    span a contiguous (or flat) chunk covers, and the chunks sorted by it for a bisect."""
+
+    flat: tuple[tuple[int, int, ChunkRef], ...]  # (start, end, chunk) of chunks contiguous in the tensor
+    starts: tuple[int, ...]
+    boxes: tuple[ChunkRef, ...]  # chunks not contiguous in the tensor (a column slice)
+
+
+def _source_chunks(entry: TensorEntry) -> _SourceChunks:
+    flat, boxes = [], []
+    for c in entry.chunks:
+        span = global_flat_range(c.offsets, c.lengths, entry.shape, c.flat_range)
+        if span is None:
+            boxes.append(c)
+        else:
+            flat.append((span[0], span[1], c))
+    flat.sort(key=lambda t: t[0])
+    return _SourceChunks(flat=tuple(flat), starts=tuple(t[0] for t in flat), boxes=tuple(boxes))
+
+
+def _short(entry: TensorEntry, dst: ChunkRef, covered: int) -> str:
+    return (f"{entry.key}: target chunk in {dst.file} (box {dst.offsets}+{dst.lengths}, flat {dst.flat_range}) "
+            f"needs {dst.numel} elements, the source covers {covered}")
+
+
+def _chunk_items(entry: TensorEntry, dst: ChunkRef, found: _SourceChunks, cast: bool) -> tuple[list[CopyItem], int]:
+    """The items that fill target chunk `dst` from the source chunks that overlap it (found by bisect on
+    their spans), and how many elements they cover."""
+    span = global_flat_range(dst.offsets, dst.lengths, entry.shape, dst.flat_range)
+    if span is None:  # a box not contiguous in the tensor: every source chunk may meet it
+        candidates = [c for _, _, c in found.flat] + list(found.boxes)
+    else:
+        first = max(bisect.bisect_right(found.starts, span[0]) - 1, 0)
+        candidates = [c for _, _, c in found.flat[first:bisect.bisect_left(found.starts, span[1])]] + list(found.boxes)
+    items: list[CopyItem] = []
+    covered = 0
+    for src in candidates:
+        mixed = (src.flat_range is None) != (dst.flat_range is None)
+        box = src if src.flat_range is None else dst
+        if mixed and box_as_flat_range(box.offsets, box.lengths, entry.shape) is None:
+            pieces = _region_items(entry, src, dst, cast)
+            items += pieces
+            covered += sum(it.numel for it in pieces)
+            continue
+        flat, narrows, n = _overlap(entry, src, dst)
+        if n:
+            items.append(CopyItem(tensor=entry.key, src=src, dst=dst, flat=flat, narrows=narrows, numel=n, cast=cast))
+            covered += n
+    return items, covered
+
+
+def file_items(plan: ConversionPlan, path: str) -> list[CopyItem]:
+    """The copy items of target file `path` (pure), raising PlanError unless each of its target chunks is
+    covered exactly once."""
+    cache: dict[TensorKey, _SourceChunks] = {}
+    items: list[CopyItem] = []
+    for entry, dst in plan.chunks_by_file().get(path, ()):
+        src_entry, cast = plan.sources[entry.key]
+        found = cache.get(src_entry.key)
+        if found is None:
+            found = cache[src_entry.key] = _source_chunks(src_entry)
+        chunk_items, covered = _chunk_items(entry, dst, found, cast)
+        if covered != dst.numel:
+            raise PlanError(_short(entry, dst, covered))
+        items += chunk_items
+    return items
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,29 +315,64 @@ class RankSummary:
 
 
 def rank_summaries(plan: ConversionPlan) -> list[RankSummary]:
-    """Files, bytes written (tensor buffers) and bytes read (copied regions) per target rank."""
-    by_file = plan.items_by_file()
+    """Files, bytes written (tensor buffers) and bytes read (the source elements each target chunk takes, in
+    the source's dtype) per target rank; needs no copy item."""
     ranks: dict[int | None, list[Any]] = defaultdict(list)
     for f in plan.target.files:
         ranks[f.rank].append(f)
+    read_by_file: dict[str, int] = defaultdict(int)
+    if plan.fixed_items is not None:
+        for it in plan.fixed_items:
+            read_by_file[it.dst.file] += it.numel * dtype_size(plan.src_dtypes.get(it.tensor, "float32"))
+    else:
+        for path, chunks in plan.chunks_by_file().items():
+            read_by_file[path] = sum(c.numel * dtype_size(plan.src_dtypes[e.key]) for e, c in chunks)
     out = []
     for rank in sorted(ranks, key=lambda r: -1 if r is None else r):
         files = ranks[rank]
-        read = sum(it.numel * dtype_size(plan.src_dtypes[it.tensor]) for f in files for it in by_file.get(f.path, ()))
         out.append(RankSummary(rank=rank, files=tuple(f.path for f in files),
-                               bytes_written=sum(f.nbytes for f in files), bytes_read=read))
+                               bytes_written=sum(f.nbytes for f in files),
+                               bytes_read=sum(read_by_file.get(f.path, 0) for f in files)))
     return out
 
 
-def summarize(plan: ConversionPlan) -> str:
-    """Human-readable plan: per target rank its files and bytes read/written, plus totals and drops."""
-    lines = [f"plan: {plan.source.format} ({plan.source.root}) -> {plan.target.index.format}",
-             f"  {len(plan.target.index.entries)} target tensors, {len(plan.items)} copy items, "
-             f"{len(plan.target.files)} files"]
-    for s in rank_summaries(plan):
+PER_RANK_LISTED = 16  # ranks listed one by one; more are summarized unless asked for
+FILES_LISTED = 8  # files listed under one rank unless asked for
+
+
+def _rank_lines(summaries: list[RankSummary], per_rank: bool) -> list[str]:
+    def listing(s: RankSummary) -> list[str]:
         who = "shared" if s.rank is None else f"rank {s.rank}"
-        lines.append(f"  {who}: {len(s.files)} files, read {_fmt(s.bytes_read)}, write {_fmt(s.bytes_written)}")
-        lines.extend(f"    {p}" for p in s.files)
+        shown = s.files if per_rank else s.files[:FILES_LISTED]
+        more = [f"    ... and {len(s.files) - len(shown)} more (--per-rank lists them all)"] if len(shown) < len(s.files) else []
+        return [f"  {who}: {len(s.files)} files, read {_fmt(s.bytes_read)}, write {_fmt(s.bytes_written)}",
+                *(f"    {p}" for p in shown), *more]
+
+    if per_rank or len(summaries) <= PER_RANK_LISTED:
+        return [line for s in summaries for line in listing(s)]
+    ranked = [s for s in summaries if s.rank is not None]
+    shared = [s for s in summaries if s.rank is None]
+    reads, writes = sorted(s.bytes_read for s in ranked), sorted(s.bytes_written for s in ranked)
+    largest = sorted(ranked, key=lambda s: -s.bytes_written)[:3]
+    lines = [f"  {len(ranked)} target ranks, {max(len(s.files) for s in ranked)} file(s) each at most; "
+             f"read min/median/max {_fmt(reads[0])} / {_fmt(reads[len(reads) // 2])} / {_fmt(reads[-1])}, "
+             f"write {_fmt(writes[0])} / {_fmt(writes[len(writes) // 2])} / {_fmt(writes[-1])}",
+             "  largest: " + ", ".join(f"rank {s.rank} writes {_fmt(s.bytes_written)}" for s in largest)
+             + " (--per-rank lists every rank and its files)"]
+    for s in shared:
+        lines += listing(s)
+    return lines
+
+
+def summarize(plan: ConversionPlan, *, per_rank: bool = False) -> str:
+    """Human-readable plan: per target rank its files and bytes read/written (summarized over more than
+    `PER_RANK_LISTED` ranks unless `per_rank`), plus totals and what is dropped or derived."""
+    summaries = rank_summaries(plan)
+    lines = [f"plan: {plan.source.format} ({plan.source.root}) -> {plan.target.index.format}",
+             f"  {len(plan.target.index.entries)} target tensors in {plan.target_chunks} chunks, "
+             f"{len(plan.target.files)} files; read {_fmt(sum(s.bytes_read for s in summaries))}, write "
+             f"{_fmt(sum(s.bytes_written for s in summaries))}"]
+    lines += _rank_lines(summaries, per_rank)
     dropped = sorted({str(e.key.kind) for e in plan.source.entries} - {str(e.key.kind) for e in plan.target.index.entries})
     if dropped:
         lines.append(f"  source kinds not in the target format: {', '.join(dropped)}")
@@ -236,7 +386,8 @@ def summarize(plan: ConversionPlan) -> str:
         lines.append(f"  parameter names: {named} -> {plan.source.meta['param_naming']} (name table)")
     for d in plan.target.index.meta.get("trainer_rng") or ():
         lines.append(f"  Trainer RNG file of process {d['target_rank']}: {d['policy']} ({d['reason']})")
-    derived = sorted({it.tensor.name for it in plan.items if it.cast})
+    derived = sorted({key.name for key, (_, cast) in plan.sources.items() if cast} if plan.fixed_items is None
+                     else {it.tensor.name for it in plan.fixed_items if it.cast})
     if derived:
         lines.append(f"  {len(derived)} params derived from the fp32 master (cast)")
     return "\n".join(lines)

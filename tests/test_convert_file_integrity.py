@@ -55,7 +55,7 @@ def _written(tmp_path: Path) -> Path:
                                           buffers=(TargetBuffer(key=("w",), shape=(3, 4), dtype="float32"),
                                                    TargetBuffer(key=("v",), shape=(5,), dtype="bfloat16"))),))
     plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(src), entries=(), files=("a.pt",)),
-                          target=target, items=items)
+                          target=target, fixed_items=items)
     execute(plan, _Placing(), tmp_path / "out")
     return tmp_path / "out"
 

@@ -68,7 +68,7 @@ def test_in_place_writer_that_misplaces_a_buffer_is_refused(tmp_path):
                         files=(TargetFile(path="f.pt", role="r", rank=0,
                                           buffers=(TargetBuffer(key=("w",), shape=(3,), dtype="float32"),)),))
     plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),
-                          target=target, items=())
+                          target=target, fixed_items=())
     with pytest.raises(CheckpointError, match=r"f\.pt.*no contiguous \(3,\) float32 tensor at \['w'\]"):
         execute(plan, _Misplacing(), tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -86,7 +86,7 @@ def test_in_place_writer_output_loads_with_zeros_where_nothing_was_copied(tmp_pa
                         files=(TargetFile(path="f.pt", role="r", rank=0,
                                           buffers=(TargetBuffer(key=("w",), shape=(2, 3), dtype="bfloat16"),)),))
     plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),
-                          target=target, items=())
+                          target=target, fixed_items=())
     execute(plan, _Placing(), tmp_path / "out")
     got = torch.load(tmp_path / "out" / "f.pt", weights_only=True)
     assert got["n"] == 7 and got["w"].dtype == torch.bfloat16

@@ -1,8 +1,8 @@
 """Converting Megatron-Core checkpoints (TP/PP/EP sharded, DistributedOptimizer) to DeepSpeed ZeRO and DCP.
 
 Megatron's row-parallel pieces (column slices of o_proj / down_proj at TP > 1) are not contiguous in
-the canonical tensor, while ZeRO shards are flat ranges: the planner meets them row by row. Checks: the
-row split is exact (pure); the converted checkpoints re-read equal to the source, optimizer state
+the canonical tensor, while ZeRO shards are flat ranges: the planner meets them as a few region items per
+(slice, partition) pair. Checks: the copies are exact element for element; the converted checkpoints re-read equal to the source, optimizer state
 included (Megatron's per-group Adam step becomes torch Adam's per-parameter step); the frameworks' own
 loaders resume from them and continue with the source's loss.
 """
@@ -17,8 +17,9 @@ import torch
 
 from checkpoint.api import convert, read_index
 from checkpoint.formats.adam_step import split_derived_steps
-from checkpoint.index import ChunkRef, Kind
-from checkpoint.plan import contiguous_parts
+from checkpoint.execute import copy_item
+from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey
+from checkpoint.plan import TargetFile, TargetSpec, make_plan
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import launch
 from migrate.workload.model_spec import RunSpec
@@ -26,24 +27,44 @@ from migrate.workload.model_spec import RunSpec
 GBS = 12  # shared with tests/test_megatron_convert.py (same session checkpoints)
 
 
-@pytest.mark.parametrize("shape,offsets,lengths", [
-    ((4, 6), (0, 3), (4, 3)),  # a TP2 column slice of a row-parallel weight
-    ((2, 5, 6), (1, 1, 2), (1, 3, 2)),  # one layer, some rows, some columns
-    ((3, 4, 5), (0, 0, 0), (3, 4, 5)),  # whole tensor: unchanged
-    ((3, 4, 5), (1, 0, 0), (2, 4, 5)),  # contiguous already: unchanged
+@pytest.mark.parametrize("shape,split_dim,tp", [
+    ((4, 6), 1, 2),  # TP2 column slices of a row-parallel weight
+    ((2, 5, 6), 2, 3),  # a stacked (layers, rows, columns) weight split on its last dim
+    ((3, 4, 5), 0, 3),  # row slices: contiguous already
+    ((6, 4), 1, 4),
 ])
-def test_noncontiguous_box_splits_into_exact_runs(shape, offsets, lengths):
-    full = torch.arange(math.prod(shape)).reshape(shape)
-    box = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
-    stored = torch.cat([torch.full((7,), -1), box.flatten()])  # the box stored after 7 other elements
-    chunk = ChunkRef(file="f", key=("k",), offsets=offsets, lengths=lengths, storage_offset=7)
-    parts = contiguous_parts(chunk, shape)
-    assert sum(p.numel for p in parts) == math.prod(lengths)
-    for p in parts:
-        want = full[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.lengths))].flatten()
-        assert torch.equal(stored[p.storage_offset:p.storage_offset + p.numel], want), p
-    if lengths == shape or offsets[0] == 1 and lengths[1:] == shape[1:]:
-        assert parts == (chunk,)
+@pytest.mark.parametrize("partitions", [1, 3, 5])
+def test_tp_slices_meet_zero_partitions_element_for_element(shape, split_dim, tp, partitions):
+    """Megatron's TP slices (boxes, not contiguous in the tensor when split on a later dim) planned into
+    ZeRO-style flat partitions of the tensor and copied by the executor: every element lands where the
+    global tensor has it, each (slice, partition) pair in at most 2 * ndim - 1 items."""
+    full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    slices = full.chunk(tp, dim=split_dim)
+    stored = torch.cat([torch.full((7,), -1.0), *(t.flatten() for t in slices)])
+    chunks, at, offset = [], 7, 0
+    for t in slices:
+        offsets = tuple(offset if d == split_dim else 0 for d in range(len(shape)))
+        chunks.append(ChunkRef(file="tp", key=("k",), offsets=offsets, lengths=tuple(t.shape), storage_offset=at))
+        at, offset = at + t.numel(), offset + t.shape[split_dim]
+    total = math.prod(shape)
+    bounds = [total * i // partitions for i in range(partitions + 1)]
+    parts = tuple(ChunkRef(file="zero", key=("f",), offsets=(0,) * len(shape), lengths=shape, flat_range=(lo, hi),
+                           storage_offset=3 + lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
+    key = TensorKey(name="w", kind=Kind.PARAM)
+    source = CheckpointIndex(format="megatron", root="src", files=("tp",),
+                             entries=(TensorEntry(key=key, shape=shape, dtype="float64", chunks=tuple(chunks)),))
+    target = TargetSpec(index=CheckpointIndex(format="deepspeed", root="dst", files=("zero",), entries=(
+        TensorEntry(key=key, shape=shape, dtype="float64", chunks=parts),)), files=(TargetFile(path="zero", role="optim", rank=0),))
+    plan = make_plan(source, target)
+    per_pair: dict = {}
+    for item in plan.items:
+        per_pair[(item.src.offsets, item.dst.flat_range)] = per_pair.get((item.src.offsets, item.dst.flat_range), 0) + 1
+    assert max(per_pair.values()) <= 2 * len(shape) - 1
+    assert any(item.region is not None for item in plan.items) == (split_dim > 0 and tp > 1)
+    flat = torch.full((total + 3,), -2.0)
+    for item in plan.items:
+        copy_item(item, stored, flat, src_where="tp")
+    assert torch.equal(flat[3:], full.flatten()) and (flat[:3] == -2).all()
 
 
 SOURCES = [(2, 2, 1, 1, False), (1, 1, 2, 2, True)]  # (tp, pp, dp, ep, moe)

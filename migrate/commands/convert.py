@@ -18,6 +18,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.execute import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
+from migrate.convert_progress import Phases
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 POSITIVE = click.IntRange(min=1)
@@ -55,6 +56,7 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.option("--vpp", type=POSITIVE, default=None,
               help="target virtual pipeline stages per rank (Megatron; default: the source's when pp is kept, else 1)")
 @click.option("--dry-run", is_flag=True, help="print the plan (files, bytes per target rank) without reading data")
+@click.option("--per-rank", is_flag=True, help="list every target rank and its files (default: summarized beyond 16 ranks)")
 @click.option("--verify", is_flag=True, help="re-read the output and compare every tensor with the source")
 @click.option("--workers", type=POSITIVE, default=1, show_default=True, help="local processes writing target files")
 @click.option("--ray-address", default=None,
@@ -85,7 +87,7 @@ def _shard_size(text: str | None) -> int | str | None:
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
             ep: int | None, vpp: int | None, max_shard_size: str | None, dcp_layout: str | None,
             param_names: str | None,
-            dry_run: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
+            dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
             model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
     if resume and overwrite:
@@ -101,12 +103,13 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
 
             stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
             map_fn = ray_map(max_in_flight=max(workers, 1))
+        phases = Phases(dst)
         try:
             outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
                               model_config=config, max_shard_size=_shard_size(max_shard_size),
                               dcp_layout=dcp_layout, param_names=param_names, dry_run=dry_run,
                               map_fn=map_fn, trust_checkpoint=trust_checkpoint,
-                              follow_symlinks=follow_symlinks, existing=existing)
+                              follow_symlinks=follow_symlinks, existing=existing, phase=phases)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -114,9 +117,11 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             click.echo(f"interrupted: {dst} holds an unfinished conversion; rerun the same command with --resume "
                        f"to finish it, or with --overwrite to start over", err=True)
             sys.exit(130)
+        finally:
+            phases.close()
     for field in outcome.plan.source.meta.get("arch_overrides") or ():
         click.echo(f"--model-config overrides the checkpoint's {field}")
-    click.echo(summarize(outcome.plan))
+    click.echo(summarize(outcome.plan, per_rank=per_rank))
     if outcome.result is None:
         return
     r = outcome.result

@@ -56,6 +56,7 @@ def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.execute import local_map
     from checkpoint.plan import rank_summaries, summarize
     from checkpoint.verify import compare_indexes
+    from migrate.convert_progress import Phases
 
     options: ConvertOptions = ctx.options  # type: ignore[assignment]
     job = ctx.job.spec
@@ -88,12 +89,15 @@ def run(ctx: StageContext) -> StageOutcome:
                            model_config=model_config, existing=existing,
                            trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
                            expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
-                           expect_pp=source_layout.pp, expect_ep=source_layout.ep)
+                           expect_pp=source_layout.pp, expect_ep=source_layout.ep, phase=phases)
 
+        phases = Phases(dest, label=ctx.stage)
         try:
             outcome = run_conversion(existing)
         except OtherPlanError:  # killed midway, then the job changed: start over
             outcome = run_conversion(Existing.OVERWRITE)
+        finally:
+            phases.close()
     result = outcome.result
     problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
     plan_text = summarize(outcome.plan)
