@@ -1,6 +1,8 @@
-"""What a user sees while a conversion runs: each phase with its elapsed seconds, and a bar over the target
-files as they appear at their final names (each is written to a temporary name and renamed when complete,
-so counting them works for threads, local processes and Ray tasks alike)."""
+"""What a user sees while a conversion runs: a phase that lasts (reading the source, planning) is announced
+once it has run for a few seconds and again every so often, with the seconds since the start; writing shows
+a bar over the target files as they appear at their final names (each is written to a temporary name and
+renamed when complete, so counting them works for threads, local processes and Ray tasks alike). Quick
+phases print nothing, so a bad input stays one line."""
 
 from __future__ import annotations
 
@@ -10,44 +12,61 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+ANNOUNCE_AFTER_S = 2.0
+REPEAT_EVERY_S = 10.0
+
 
 class Phases:
-    """A `phase` callback for `checkpoint.api.convert` that prints each phase with the seconds since start,
-    and, once writing begins, follows the files under `dest` (`files`: the plan's relative paths)."""
+    """A `phase(text, files=())` callback for `checkpoint.api.convert` (see the module docstring)."""
 
     def __init__(self, dest: Path, *, label: str = "convert", echo: Callable[[str], None] | None = None) -> None:
         self.dest, self.label, self.began = Path(dest), label, time.monotonic()
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._current: tuple[str, float] | None = None
+        self._announced = 0.0  # when the current phase was last announced (0: not yet)
+        self._shown = False
+        self._files: tuple[str, ...] = ()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.files: Sequence[str] = ()
-
-    def __call__(self, phase: str, files: Sequence[str] = ()) -> None:
-        self.echo(f"[{self.label}] {time.monotonic() - self.began:6.1f} s  {phase}")
-        if files:
-            self.follow(files)
-
-    def follow(self, files: Sequence[str]) -> None:
-        """Show a bar over `files` until `close` (a no-op for fewer than two files)."""
-        self.files = tuple(files)
-        if len(self.files) < 2 or self._thread is not None:
-            return
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
-        from tqdm import tqdm
+    def __call__(self, phase: str, files: Sequence[str] = ()) -> None:
+        self._current, self._announced = (phase, time.monotonic()), 0.0
+        self._files = tuple(files)
 
-        with tqdm(total=len(self.files), desc=f"[{self.label}] files", unit="file", leave=False,
-                  dynamic_ncols=True, mininterval=1.0) as bar:
-            done: set[str] = set()
-            while not self._stop.wait(0.5):
-                new = [f for f in self.files if f not in done and (self.dest / f).exists()]
-                done.update(new)
-                bar.update(len(new))
+    def _say(self, text: str) -> None:
+        self._shown = True
+        self.echo(f"[{self.label}] {time.monotonic() - self.began:6.1f} s  {text}")
+
+    def _loop(self) -> None:
+        bar = None
+        done: set[str] = set()
+        while not self._stop.wait(0.5):
+            if self._current is None:
+                continue
+            phase, since = self._current
+            now = time.monotonic()
+            if self._files and len(self._files) > 1:
+                if bar is None and now - since >= ANNOUNCE_AFTER_S:
+                    from tqdm import tqdm
+
+                    self._shown = True
+                    bar = tqdm(total=len(self._files), desc=f"[{self.label}] {phase}", unit="file", leave=False,
+                               dynamic_ncols=True, mininterval=1.0)
+                if bar is not None:
+                    new = [f for f in self._files if f not in done and (self.dest / f).exists()]
+                    done.update(new)
+                    bar.update(len(new))
+                continue
+            if now - since >= ANNOUNCE_AFTER_S and (not self._announced or now - self._announced >= REPEAT_EVERY_S):
+                self._say(phase if not self._announced else f"{phase} (still, {now - since:.0f} s)")
+                self._announced = now
+        if bar is not None:
+            bar.close()
 
     def close(self) -> None:
+        """Stop following; say how long it all took when anything was shown."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self("done")
+        self._thread.join()
+        if self._shown:
+            self._say("done")

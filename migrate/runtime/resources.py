@@ -93,30 +93,28 @@ def shortfalls(needs: Sequence[GroupNeed], cluster: ClusterResources) -> list[st
     """Every group that cannot be placed on `cluster`, one line each with the numbers (pure)."""
     problems: list[str] = []
     for need in needs:
-        what = f"stage {need.stage}: {need.purpose} need(s) {need.world_size} {need.device_type}"
+        what = f"stage {need.stage}: {need.purpose}: {need.world_size} {need.device_type} wanted"
         if need.device_type in cluster.unusable:
-            problems.append(f"{what}: {cluster.unusable[need.device_type]}")
+            problems.append(f"{what}; {cluster.unusable[need.device_type]}")
             continue
         if need.device_type == "cpu":
-            if cluster.elastic_cpus:
-                continue
             have = sum(int(n.cpus) for n in cluster.nodes)
-            if have < need.world_size:
-                problems.append(f"{what} rank(s), one CPU each; {cluster.where} has {have} CPUs")
+            if not cluster.elastic_cpus and have < need.world_size:
+                problems.append(f"{what}, one CPU each; {cluster.where} has {have} CPUs")
             continue
         total = cluster.count(need.device_type)
         slots = sum(n.devices.get(need.device_type, 0) // need.per_node for n in cluster.nodes)  # per-node groups
         if total < need.world_size:
             problems.append(f"{what}; {cluster.where} has {total} ({_per_node(cluster, need.device_type)})")
         elif slots < need.nodes:
-            problems.append(f"{what}, {need.per_node} to a node on {need.nodes} node(s); {cluster.where} has room "
-                            f"for {slots} such node group(s) ({_per_node(cluster, need.device_type)})")
+            problems.append(f"{what}, {need.per_node} on each of {need.nodes} node(s); {cluster.where} has room for "
+                            f"{slots} such node(s) ({_per_node(cluster, need.device_type)})")
     return list(dict.fromkeys(problems))
 
 
 def _per_node(cluster: ClusterResources, device_type: str) -> str:
-    counts = [n.devices.get(device_type, 0) for n in cluster.nodes]
-    return f"{len(counts)} node(s) with {', '.join(str(c) for c in counts[:8])}{', ...' if len(counts) > 8 else ''} each"
+    counts = [str(n.devices.get(device_type, 0)) for n in cluster.nodes]
+    return f"{', '.join(counts[:8])}{', ...' if len(counts) > 8 else ''} a node"
 
 
 def device_unusable(device_type: str) -> str | None:
