@@ -85,3 +85,19 @@ def test_a_job_for_devices_this_machine_lacks_stops_in_seconds_naming_every_stag
             "stage stability"} <= named, lines
     assert all(expected in line for line in lines[1:])
     assert not (tmp_path / "work" / "preflight").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("device,expected", [
+    ("cuda:0", "error: --device cuda:0: torch 2.13.0+cpu is a build without CUDA (install a CUDA build of torch)"),
+    ("npu:0", "error: --device npu:0: torch_npu (Ascend's PyTorch adapter) is not installed, and the npu device needs it"),
+])
+def test_ops_on_a_device_this_machine_lacks_is_one_line(device, expected):
+    import torch
+    from click.testing import CliRunner
+
+    from migrate.commands.ops import command
+
+    if device.startswith("cuda") and torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA")
+    result = CliRunner().invoke(command, ["--device", device, "--op", "gelu"])
+    assert result.exit_code == 2 and result.output.strip() == expected

@@ -184,3 +184,33 @@ def _artifact(status: StageStatus, input_hash="h", reasons=()):
 )
 def test_decide_is_a_pure_rule(previous, force, upstream, expected):
     assert decide(stage="x", input_hash="h", previous=previous, force=force, upstream=upstream) == expected
+
+
+def test_a_chain_of_blocked_stages_names_the_root_cause_once(tmp_path, fake_stages, monkeypatch):
+    import migrate.stages as stages_pkg
+
+    for name, dep in (("d", "b"), ("e", "d")):
+        monkeypatch.setitem(stages_pkg.STAGES, name, StageDefinition(name=name, description=f"needs {dep}",
+                                                                     run=lambda ctx: None, options=CountOptions,
+                                                                     depends_on=(dep,)))
+    result = _run(_job(tmp_path, {"a": {"fail": True, "value": 7}, "b": {}, "d": {}, "e": {}}))
+    reasons = {r.artifact.stage: r.artifact.reasons for r in result.records}
+    root = "dependency 'a' failed: RuntimeError: a broke on value 7"
+    assert reasons["b"] == (root,)
+    assert reasons["d"] == (f"dependency 'b' blocked: {root}",)
+    assert reasons["e"] == (f"dependency 'd' blocked: {root}",)  # not "... 'd' blocked: dependency 'b' blocked: ..."
+
+
+def test_run_dry_run_says_what_would_run_and_why(tmp_path, fake_stages):
+    from migrate.pipeline.preview import preview, render
+
+    job = _job(tmp_path, {"a": {}, "b": {}, "c": {}})
+    first = {p.stage: (p.action, p.reason) for p in preview(job)}
+    assert first == {"a": ("run", "no previous result"), "b": ("run", "after a runs: its inputs will change"),
+                     "c": ("run", "no previous result")}
+    _run(job)
+    assert fake_stages == ["a", "b", "c"]
+    changed = _job(tmp_path, {"a": {"value": 5}, "b": {}, "c": {}})
+    again = {p.stage: p.action for p in preview(changed)}
+    assert again == {"a": "run", "b": "run", "c": "skip"} and fake_stages == ["a", "b", "c"]  # nothing ran
+    assert "c  would be skipped: inputs unchanged since" in render(preview(changed))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
@@ -25,19 +26,48 @@ def load_or_exit(job_file: Path) -> Job:
         sys.exit(EXIT_BAD_INPUT)
 
 
+def resource_problems(job: Job, runtime: Any, stages: Sequence[str]) -> list[str]:
+    """Every worker group of `stages` that the target cluster cannot place (`migrate.runtime.resources`)."""
+    from migrate.runtime.resources import shortfalls, stage_needs
+
+    needs = stage_needs(job, stages)
+    if not needs:
+        return []
+    return shortfalls(needs, runtime.resources(sorted({n.device_type for n in needs})))
+
+
 def run_stages(job: Job, stages: Sequence[str] | None, force: bool) -> int:
-    """Run stages of ``job`` with tracking and the target runtime; return the exit code."""
-    from migrate.pipeline.runner import run_pipeline
+    """Run stages of ``job`` with tracking and the target runtime; return the exit code. Before anything runs,
+    the stages that would run are checked against the cluster: every shortfall at once, exit code 2."""
+    from migrate.pipeline.preview import preview
     from migrate.runtime.session import TargetRuntime
+
+    with ExitStack() as stack:
+        runtime = stack.enter_context(TargetRuntime(job.spec.target))
+        try:
+            would_run = [p.stage for p in preview(job, stages, force=force) if p.action == "run"]
+        except ValueError as exc:
+            click.echo(f"error: {exc}", err=True)
+            return EXIT_BAD_INPUT
+        problems = resource_problems(job, runtime, would_run)
+        if problems:
+            click.echo(f"{job.path}: the cluster cannot run {len({p.split(':')[0] for p in problems})} stage(s) of "
+                       f"this job (nothing was run):", err=True)
+            for problem in problems:
+                click.echo(f"  - {problem}", err=True)
+            return EXIT_BAD_INPUT
+        return _run_tracked(job, stages, force, runtime)
+
+
+def _run_tracked(job: Job, stages: Sequence[str] | None, force: bool, runtime: Any) -> int:
+    """The stages run on `runtime`'s worker groups with the job's tracking; the exit code."""
+    from migrate.pipeline.runner import run_pipeline
     from migrate.tracking.tracker import Tracker
 
     tracker = Tracker(job.work_dir, job.spec.tracking, run_name=job.name, config=job.spec.model_dump(mode="json"))
     try:
-        with TargetRuntime(job.spec.target) as runtime:
-            result = run_pipeline(
-                job, stages=stages, force=force, tracker=tracker, start_group=runtime.start_group,
-                echo=lambda line: click.echo(line, err=True),
-            )
+        result = run_pipeline(job, stages=stages, force=force, tracker=tracker, start_group=runtime.start_group,
+                              echo=lambda line: click.echo(line, err=True))
     except ValueError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_BAD_INPUT

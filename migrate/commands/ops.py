@@ -74,10 +74,17 @@ def command(job_argument: Path | None, device: str, dtypes: tuple[str, ...], ops
     from convergence.ops.suite import summary_markdown
     from migrate.stages.ops import OpsOptions, OpsRequest, ops_request
 
+    from migrate.runtime.resources import device_unusable
+
+    if device.split(":")[0] == "npu" and (why := device_unusable("npu")):  # npu is a device type once torch_npu is in
+        _fail(f"--device {device}: {why}")
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except RuntimeError as exc:
         _fail(f"--device {device!r}: {exc}")
+    why = device_unusable(kind) if kind in ("cpu", "cuda", "npu") else None
+    if why:
+        _fail(f"--device {device}: {why}")
     if job_argument is not None and job_file is not None and job_argument != job_file:
         _fail(f"two jobs given: {job_argument} and --job {job_file}; give one")
     if dump_dir is not None and compare_dir is not None:

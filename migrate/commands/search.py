@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -16,15 +17,32 @@ from migrate.commands._common import EXIT_BAD_INPUT, EXIT_OK, job_argument, load
 @click.option("--measure", "measure_to", type=click.Path(path_type=Path, dir_okay=False),
               help="measure the target devices (matmul, copy, all_reduce) and write a device profile here")
 @click.option("--matmul-size", default=1024, show_default=True, help="matrix size for --measure")
-def command(job_file: Path, force: bool, measure_to: Path | None, matmul_size: int) -> None:
-    """Choose the target's parallel plan from measured steps (the job's 'search' stage)."""
+@click.option("--no-profile", "no_profile", is_flag=True,
+              help="rank the candidates with the memory and cost models alone: no cluster, no preflight, no run")
+def command(job_file: Path, force: bool, measure_to: Path | None, matmul_size: int, no_profile: bool) -> None:
+    """Choose the target's parallel plan from measured steps (the job's 'search' stage), or from the models
+    alone with --no-profile."""
     job = load_or_exit(job_file)
     if measure_to is not None:
         sys.exit(_measure(job, measure_to, matmul_size))
-    if "search" not in job.stage_options:
-        click.echo(f"{job.path}: the job does not list stage 'search' under 'stages:'", err=True)
+    if "search" not in job.stage_options and not no_profile:
+        click.echo(f"{job.path}: the job does not list stage 'search' under 'stages:' (--no-profile ranks "
+                   f"analytically without it)", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    if no_profile:
+        job = _with_search(job, {"profile": False})
     sys.exit(run_stages(job, ["search"], force))
+
+
+def _with_search(job: Any, changes: dict[str, Any]) -> Any:
+    """The job with its search options changed (the job's own, else the defaults)."""
+    import dataclasses
+
+    from migrate.stages.search import SearchOptions
+
+    current = job.stage_options.get("search") or SearchOptions()
+    options = SearchOptions.model_validate({**current.model_dump(), **changes})
+    return dataclasses.replace(job, stage_options={**job.stage_options, "search": options})
 
 
 def _measure(job, path: Path, matmul_size: int) -> int:

@@ -34,7 +34,7 @@ def preview(job: Job, stages: Sequence[str] | None = None, *, force: bool = Fals
     predicted: dict[str, Preview] = {}
     for name in execution_order(selected):
         stage = STAGES[name]
-        deps = stage.upstream_in(listed)
+        deps = stage.upstream_in(listed, job.stage_options.get(name))
         blocked = next((predicted[d] for d in deps if d in predicted and predicted[d].action == "block"), None)
         rerun = [d for d in deps if d in predicted and predicted[d].action == "run"]
         if blocked is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ from migrate.pipeline.stage import StageArtifact, StageContext, StageDefinition,
 from migrate.stages import STAGES, execution_order
 
 ARTIFACT_NAME = "result.json"
+
+
+_BLOCKED_BY = re.compile(r"^dependency '[^']+' blocked: ")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ def decide(
             return Decision("block", f"needs stage {dep!r}, which has no result yet: run it first or include it")
         if not artifact.status.ok:
             why = "; ".join(artifact.reasons) or artifact.status.value
+            if artifact.status is StageStatus.BLOCKED:  # its reason names the root cause: keep that, once
+                why = _BLOCKED_BY.sub("", why, count=1) if _BLOCKED_BY.match(why) else why
             return Decision("block", f"dependency {dep!r} {artifact.status.value}: {why}")
     if force:
         return Decision("run", "forced")
@@ -148,7 +154,8 @@ def run_pipeline(
     this_run: dict[str, StageArtifact] = {}
     for name in execution_order(selected):
         stage = STAGES[name]
-        upstream = {dep: this_run.get(dep) or read_artifact(job, dep) for dep in stage.upstream_in(listed)}
+        upstream = {dep: this_run.get(dep) or read_artifact(job, dep)
+                    for dep in stage.upstream_in(listed, job.stage_options.get(name))}
         digest, inputs = input_hash(stage, job, {k: v for k, v in upstream.items() if v is not None})
         previous = read_artifact(job, name)
         decision = decide(stage=name, input_hash=digest, previous=previous, force=force, upstream=upstream)

@@ -140,7 +140,9 @@ class StageDefinition:
     reads: tuple[str, ...] = ("source", "target", "model", "training")
     fingerprint: Callable[["Job", BaseModel], Mapping[str, Any]] | None = None
     version: str = "1"
+    uses: Callable[[BaseModel], tuple[str, ...]] | None = None  # which ``after`` stages these options use (default: all)
 
-    def upstream_in(self, listed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-        """The stages whose results this one uses in a job listing ``listed``."""
-        return self.depends_on + tuple(s for s in self.after if s in listed and s not in self.depends_on)
+    def upstream_in(self, listed: tuple[str, ...] | list[str], options: BaseModel | None = None) -> tuple[str, ...]:
+        """The stages whose results this one uses in a job listing ``listed`` (with these options)."""
+        after = self.after if self.uses is None or options is None else tuple(s for s in self.after if s in self.uses(options))
+        return self.depends_on + tuple(s for s in after if s in listed and s not in self.depends_on)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from migrate.job.schema import TargetSection
 from migrate.runtime.ray_cluster import RayConnection, connect
 from migrate.runtime.worker_group import WorkerGroup, WorkerGroupSpec, start_worker_group
+
+if TYPE_CHECKING:
+    from migrate.runtime.resources import ClusterResources
 
 
 def group_spec(target: TargetSection, **overrides: Any) -> WorkerGroupSpec:
@@ -43,6 +47,18 @@ class TargetRuntime:
                 logical_cpus = max(logical_cpus or 0, int(ranks * spec.cpus_per_rank) + 1)
             self._ray = connect(self.target.ray.address, num_cpus=logical_cpus)
         return start_worker_group(spec)
+
+    def resources(self, device_types: Sequence[str]) -> "ClusterResources":
+        """What the target cluster offers: this machine for an embedded cluster (nothing started), else the
+        alive nodes of the Ray cluster (connected now, and kept for the worker groups)."""
+        from migrate.runtime.resources import local_resources, ray_resources
+
+        address = self.target.ray.address
+        if address == "embedded":
+            return local_resources(device_types)
+        if self._ray is None:
+            self._ray = connect(address, num_cpus=self.target.ray.num_cpus)
+        return ray_resources(address)
 
     def close(self) -> None:
         if self._ray is not None:

@@ -66,5 +66,6 @@ STAGE = StageDefinition(
     run=run,
     options=SearchOptions,
     after=("preflight",),
+    uses=lambda options: ("preflight",) if getattr(options, "profile", True) else (),  # analytic: no cluster
     reads=("target", "model", "training"),
 )
