@@ -8,6 +8,7 @@ Formats come from `checkpoint.formats.FORMATS`; nothing here names a format.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from checkpoint.destination import Existing, refuse_unfinished
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import ExecutionResult, MapFn, Writer, check_destination, execute
 from checkpoint.formats import FORMATS as FORMAT_TABLE
-from checkpoint.formats import CheckpointFormat, ReadOptions, TargetOptions
+from checkpoint.formats import FORMAT_ALIASES, CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex
 from checkpoint.naming import named_for_target
 from checkpoint.paths import check_disjoint, check_links, inside
@@ -29,7 +30,12 @@ WRITABLE_FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE if f.writ
 
 
 def get_format(name: str) -> CheckpointFormat:
-    """The table entry named `name`; raises PlanError listing the known names."""
+    """The table entry named `name` (or an earlier spelling of it, `FORMAT_ALIASES`, with a DeprecationWarning);
+    raises PlanError listing the known names."""
+    if name in FORMAT_ALIASES:
+        warnings.warn(f"format name {name!r} is deprecated: use {FORMAT_ALIASES[name]!r}", DeprecationWarning,
+                      stacklevel=3)
+        name = FORMAT_ALIASES[name]
     for f in FORMAT_TABLE:
         if f.name == name:
             return f

@@ -70,6 +70,9 @@ class _Tracker:
     def log_metrics(self, step: int, metrics: dict, prefix: str) -> None:
         self.logged.append({"step": step, "prefix": prefix, **metrics})
 
+    def log_table(self, stage: str, name: str, columns: list, rows: list) -> None:
+        self.logged.append({"table": f"{stage}/{name}", "columns": columns, "rows": len(rows)})
+
 
 def test_comm_stage_on_the_demo_job_passes_and_maps_the_source_options(tmp_path: Path) -> None:
     job = load_job(REPO / "configs" / "demo_cpu.yaml")

@@ -27,6 +27,9 @@ class _Tracker:
     def log_metrics(self, step, metrics, prefix=""):
         self.logged.append((prefix, dict(metrics)))
 
+    def log_table(self, stage, name, columns, rows):
+        self.logged.append((f"{stage}/{name}", {"rows": len(rows)}))
+
 
 @pytest.fixture
 def job(tmp_path, monkeypatch):

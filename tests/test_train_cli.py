@@ -41,5 +41,8 @@ def test_baseline_then_resume_continues_the_loss_bit_identically(tmp_path, workl
     assert [r["step"] for r in target] == [3, 4]
     assert [r["loss"] for r in target] == [r["loss"] for r in baseline[2:]]
     assert [r["grad_norm"] for r in target] == [r["grad_norm"] for r in baseline[2:]]
-    artifact = json.loads((tmp_path / "work" / "train" / "result.json").read_text())
+    artifact = json.loads((tmp_path / "work" / "train" / "target" / "result.json").read_text())  # its own result
+    kept = json.loads((tmp_path / "work" / "train" / "result.json").read_text())  # the baseline's, not overwritten
+    assert kept["metrics"]["side"] == "baseline" and kept["metrics"]["start_step"] == 0
+    assert artifact["metrics"]["side"] == "target"
     assert artifact["metrics"]["start_step"] == 2 and artifact["verdict"] == "pass"

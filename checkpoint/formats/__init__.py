@@ -18,4 +18,7 @@ FORMATS: tuple[CheckpointFormat, ...] = (
     hf.SPEC,
 )
 
-__all__ = ["FORMATS", "CheckpointFormat", "ReadOptions", "TargetOptions"]
+# Earlier spellings of format names, accepted (with a note) until migrate 0.3.
+FORMAT_ALIASES: dict[str, str] = {"deepspeed_universal": "deepspeed-universal", "megatron_legacy": "megatron-legacy"}
+
+__all__ = ["FORMATS", "FORMAT_ALIASES", "CheckpointFormat", "ReadOptions", "TargetOptions"]

@@ -47,7 +47,7 @@ from checkpoint.state.rng import roles
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
 
 FORMAT = "deepspeed"
-DS_META_FORMATS = (FORMAT, "deepspeed_universal")  # indexes whose meta is DeepSpeed's own (see universal.py)
+DS_META_FORMATS = (FORMAT, "deepspeed-universal")  # indexes whose meta is DeepSpeed's own (see universal.py)
 OSD = "optimizer_state_dict"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 ZERO_OPTIMIZER, BF16_OPTIMIZER = "zero", "bf16_optimizer"  # which DeepSpeed optimizer wrote the optimizer files

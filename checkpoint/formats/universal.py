@@ -33,7 +33,7 @@ from checkpoint.paths import inside, tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
 
-FORMAT = "deepspeed_universal"
+FORMAT = "deepspeed-universal"
 LATEST = "latest_universal"
 OPTIMIZER_STATE = "zero/optimizer_state.pt"
 TAG_SUFFIX = "_universal"
@@ -191,8 +191,8 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     """
     if zero_stage not in (1, 2, 3) or dp < 1:
         raise PlanError(f"universal target needs zero_stage in 1..3 and dp >= 1, got zero_stage={zero_stage} dp={dp}")
-    refuse_tied_embeddings(source, "deepspeed_universal")
-    refuse_frozen_params(source, "deepspeed_universal")
+    refuse_tied_embeddings(source, FORMAT)
+    refuse_frozen_params(source, FORMAT)
     m = source.meta if source.format in ds.DS_META_FORMATS else ds.deepspeed_meta_from(source)
     src = source.by_key()
     names = [n for g in m["param_groups"] for n, _ in g]

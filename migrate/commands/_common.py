@@ -20,10 +20,13 @@ job_argument = click.argument("job_file", type=click.Path(path_type=Path, dir_ok
 def load_or_exit(job_file: Path) -> Job:
     """The validated job, or the problems on stderr and exit code 2."""
     try:
-        return load_job(job_file)
+        job = load_job(job_file)
     except JobError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_BAD_INPUT)
+    for note in job.deprecations:
+        click.echo(f"{job.path}: note: {note}", err=True)
+    return job
 
 
 def resource_problems(job: Job, runtime: Any, stages: Sequence[str]) -> list[str]:
@@ -73,10 +76,13 @@ def _run_tracked(job: Job, stages: Sequence[str] | None, force: bool, runtime: A
         return EXIT_BAD_INPUT
     finally:
         tracker.close()
+    from migrate.tracking.report import verdict_line
+
     click.echo(f"summary: {result.summary_path}")
     click.echo(f"metrics: {tracker.jsonl_path}")
     if tracker.wandb_dir:
         click.echo(f"wandb:   {tracker.wandb_dir}")
+    click.echo(verdict_line(job, result.records, result.summary_path))
     return EXIT_OK if result.ok else EXIT_FAILED
 
 

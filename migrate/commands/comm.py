@@ -48,15 +48,16 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 @click.argument("job_file", required=False, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--force", is_flag=True, help="(job form) run even if its inputs are unchanged")
 @click.option("--backend", default=None, help="gloo, nccl, hccl, xccl, mpi, or cpu:gloo,cuda:nccl")
-@click.option("--device-type", default="cpu", show_default=True, help="cpu, cuda, npu or xpu")
+@click.option("--device", "device", default=None, help="cpu, cuda, npu or xpu (or a device, cuda:0) [default: cpu]")
+@click.option("--device-type", "device_type", default=None, hidden=True, help="deprecated: --device")
 @click.option("--world-size", type=int, default=None, help="ranks to start")
 @click.option("--devices-per-node", type=int, default=None, help="ranks per node (multi-node Ray runs)")
 @click.option("--ops", default=None, help="collective families or checks, comma-separated (default: all)")
-@click.option("--dtypes", default=None, help="e.g. float32,bfloat16,float16,int32,int64")
+@click.option("--dtypes", default=None, help="e.g. fp32,bf16,fp16,int32,int64 (default: all five)")
 @click.option("--sizes", default=None, help="matrix sizes in elements per rank chunk, e.g. 1,7,1K,1M")
 @click.option("--bw-ops", default=None, help="bandwidth ops (default: all)")
 @click.option("--bw-sizes", default=None, help="bandwidth sizes S in bytes, e.g. 8K,1M,32M")
-@click.option("--bw-dtype", default="float32", show_default=True)
+@click.option("--bw-dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16")
 @click.option("--warmup", type=int, default=5, show_default=True)
 @click.option("--iters", type=int, default=20, show_default=True)
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True,
@@ -64,19 +65,23 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 @click.option("--no-matrix", is_flag=True)
 @click.option("--no-fallbacks", is_flag=True)
 @click.option("--no-bandwidth", is_flag=True)
-@click.option("--json", "json_out", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="result file (default: OUT_DIR/comm_result.json)")
-@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("comm_out"),
-              show_default=True)
+@click.option("--json", "json_out", is_flag=False, flag_value="-", default=None, metavar="",
+              help="print the result JSON on stdout")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="write comm_result.json, the CSVs, bandwidth.png and comm.md here [default: comm_out]")
+@click.option("--out-dir", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None, hidden=True,
+              help="deprecated: --report")
 @click.option("--compare", "compare_with", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="the source cluster's result file")
 @click.option("--ray-address", default=None, help="run on Ray (embedded, auto, ray://...); default local processes")
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True)
-def command(job_file: Path | None, force: bool, backend: str | None, device_type: str, world_size: int | None,
-            devices_per_node: int | None, ops: str | None, dtypes: str | None, sizes: str | None,
-            bw_ops: str | None, bw_sizes: str | None, bw_dtype: str, warmup: int, iters: int, precision: str,
-            no_matrix: bool, no_fallbacks: bool, no_bandwidth: bool, json_out: Path | None, out_dir: Path,
-            compare_with: Path | None, ray_address: str | None, timeout_s: float) -> None:
+def command(job_file: Path | None, force: bool, backend: str | None, device: str | None, device_type: str | None,
+            world_size: int | None, devices_per_node: int | None, ops: str | None, dtypes: str | None,
+            sizes: str | None, bw_ops: str | None, bw_sizes: str | None, bw_dtype: str, warmup: int, iters: int,
+            precision: str, no_matrix: bool, no_fallbacks: bool, no_bandwidth: bool, json_out: str | None,
+            report_dir: Path | None, out_dir: Path | None, compare_with: Path | None, ray_address: str | None,
+            timeout_s: float) -> None:
+    device, report_dir, json_path = _current_spelling(device, device_type, report_dir, out_dir, json_out)
     if job_file is not None:
         if backend or world_size:
             click.echo("give either JOB_FILE or --backend/--world-size, not both", err=True)
@@ -90,12 +95,46 @@ def command(job_file: Path | None, force: bool, backend: str | None, device_type
         click.echo("without JOB_FILE, --backend and --world-size are required", err=True)
         sys.exit(EXIT_BAD_INPUT)
     sys.exit(_standalone(
-        backend=backend, device_type=device_type, world_size=world_size, devices_per_node=devices_per_node,
-        ops=_names(ops), dtypes=_names(dtypes), sizes=_ints(sizes, "--sizes"), bw_ops=_names(bw_ops),
-        bw_sizes=_ints(bw_sizes, "--bw-sizes"), bw_dtype=bw_dtype, warmup=warmup, iters=iters,
+        backend=backend, device_type=device.split(":")[0], world_size=world_size, devices_per_node=devices_per_node,
+        ops=_names(ops), dtypes=_dtypes(_names(dtypes)), sizes=_ints(sizes, "--sizes"), bw_ops=_names(bw_ops),
+        bw_sizes=_ints(bw_sizes, "--bw-sizes"), bw_dtype=_dtypes((bw_dtype,))[0], warmup=warmup, iters=iters,
         precision=precision, no_matrix=no_matrix, no_fallbacks=no_fallbacks, no_bandwidth=no_bandwidth,
-        json_out=json_out, out_dir=out_dir, compare_with=compare_with, ray_address=ray_address,
-        timeout_s=timeout_s))
+        json_out=json_path, print_json=json_out == "-", out_dir=report_dir, compare_with=compare_with,
+        ray_address=ray_address, timeout_s=timeout_s))
+
+
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def _note(text: str) -> None:
+    click.echo(f"note: {text} (accepted until migrate 0.3)", err=True)
+
+
+def _dtypes(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """fp32/bf16/fp16/fp64 (and integer dtypes) as torch names; torch's own float names with a note."""
+    if names is None:
+        return None
+    out = []
+    for name in names:
+        if name in TORCH_NAMES.values():
+            short = next(k for k, v in TORCH_NAMES.items() if v == name)
+            _note(f"dtype {name!r} is deprecated, use {short!r}")
+        out.append(TORCH_NAMES.get(name, name))
+    return tuple(out)
+
+
+def _current_spelling(device: str | None, device_type: str | None, report_dir: Path | None, out_dir: Path | None,
+                      json_out: str | None) -> tuple[str, Path, Path | None]:
+    """(device, report folder, result file) from the options, earlier spellings noted."""
+    if device_type is not None:
+        _note("--device-type is deprecated, use --device")
+    if out_dir is not None:
+        _note("--out-dir is deprecated, use --report")
+    json_path = None
+    if json_out not in (None, "-"):
+        _note("--json FILE is deprecated: --json prints the result on stdout, --report DIR writes it to DIR")
+        json_path = Path(json_out)
+    return device or device_type or "cpu", report_dir or out_dir or Path("comm_out"), json_path
 
 
 def _standalone(*, backend: str, device_type: str, world_size: int, devices_per_node: int | None,
@@ -103,7 +142,7 @@ def _standalone(*, backend: str, device_type: str, world_size: int, devices_per_
                 bw_ops: tuple[str, ...] | None, bw_sizes: tuple[int, ...] | None, bw_dtype: str, warmup: int,
                 iters: int, precision: str, no_matrix: bool, no_fallbacks: bool, no_bandwidth: bool,
                 json_out: Path | None, out_dir: Path, compare_with: Path | None, ray_address: str | None,
-                timeout_s: float) -> int:
+                timeout_s: float, print_json: bool = False) -> int:
     from migrate.comm import bandwidth as bw
     from migrate.comm import fallbacks as fb
     from migrate.comm import matrix as mx
@@ -148,7 +187,7 @@ def _standalone(*, backend: str, device_type: str, world_size: int, devices_per_
         if connection is not None:
             connection.close()
     paths, _comparison, text = write_outputs(result, out_dir, json_path=json_out, source=source)
-    click.echo(text)
+    click.echo(Path(paths["result"]).read_text() if print_json else text)
     for name, path in paths.items():
         click.echo(f"{name}: {path}", err=True)
     reasons = judge(result, fail_on_missing=True)

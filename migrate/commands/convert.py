@@ -13,12 +13,13 @@ import click
 
 from checkpoint import bounded_yaml
 from checkpoint.api import WRITABLE_FORMATS, convert, read_index
+from checkpoint.formats import FORMAT_ALIASES
 from checkpoint.destination import Existing
 from checkpoint.errors import CheckpointError
 from checkpoint.execute import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
-from migrate.convert_progress import Phases
+from migrate.progress import LiveStatus
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 POSITIVE = click.IntRange(min=1)
@@ -47,7 +48,8 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.command(name="convert", help="Convert the checkpoint SRC into DST (absent or empty) for a target layout.")
 @click.argument("src", type=click.Path(path_type=Path, exists=True))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", type=click.Choice(WRITABLE_FORMATS), required=True, help="target format")
+@click.option("--to", "to", type=click.Choice([*WRITABLE_FORMATS, *FORMAT_ALIASES]), required=True,
+              help=f"target format: {', '.join(WRITABLE_FORMATS)}")
 @click.option("--dp", type=POSITIVE, default=None, help="target data-parallel size (default: the source's)")
 @click.option("--zero-stage", type=click.IntRange(1, 3), default=None, help="target ZeRO stage (default: the source's)")
 @click.option("--tp", type=POSITIVE, default=None, help="target tensor-parallel size (default: the source's)")
@@ -90,6 +92,9 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
             model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
+    if to in FORMAT_ALIASES:
+        click.echo(f"note: --to {to} is deprecated, use --to {FORMAT_ALIASES[to]} (accepted until migrate 0.3)", err=True)
+        to = FORMAT_ALIASES[to]
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other: finish the earlier conversion or "
                                "replace it")
@@ -103,7 +108,7 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
 
             stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
             map_fn = ray_map(max_in_flight=max(workers, 1))
-        phases = Phases(dst)
+        phases = LiveStatus("convert", dest=dst)
         try:
             outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
                               model_config=config, max_shard_size=_shard_size(max_shard_size),

@@ -21,7 +21,7 @@ def command(job_file: Path, as_json: bool) -> None:
     job = load_or_exit(job_file)
     rows = []
     for name in execution_order(tuple(job.stage_options)):
-        art = read_artifact(job, name)
+        art = read_artifact(job, STAGES[name].key(job.stage_options.get(name)))
         if art is None:
             rows.append({"stage": name, "status": "not run", "verdict": None, "finished_at": None, "current": False})
             continue

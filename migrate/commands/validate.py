@@ -14,7 +14,7 @@ from migrate.job.load import JobError, load_job
 
 def notes(job) -> list[str]:
     """Things worth knowing that do not make the job invalid (paths not present here)."""
-    found = []
+    found = list(job.deprecations)
     src = job.spec.source
     if src.checkpoint is not None and not job.resolve(src.checkpoint.path).exists():
         found.append(f"source.checkpoint.path: {job.resolve(src.checkpoint.path)} does not exist on this machine")

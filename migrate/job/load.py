@@ -51,6 +51,7 @@ class Job:
     path: Path
     work_dir: Path
     stage_options: Mapping[str, BaseModel]
+    deprecations: tuple[str, ...] = ()  # earlier spellings the file uses, each with its current one
 
     @property
     def name(self) -> str:
@@ -146,7 +147,29 @@ def parse_job(data: Any, path: Path | str) -> Job:
     work_dir = Path(spec.work_dir.format(name=spec.name)).expanduser()
     if not work_dir.is_absolute():
         work_dir = (path.parent / work_dir).resolve()
-    return Job(spec=spec, path=path, work_dir=work_dir, stage_options=options)
+    if RAY_WORKING_COPY in str(work_dir):
+        raise JobError(path, [Problem("work_dir", f"{spec.work_dir!r} resolves to {work_dir}, inside Ray's temporary "
+                                                  f"copy of the job's working dir, which Ray deletes when the job ends "
+                                                  f"(results lost, nothing to skip on a rerun); set work_dir to an "
+                                                  f"absolute path (shared storage on a multi-node cluster)")])
+    return Job(spec=spec, path=path, work_dir=work_dir, stage_options=options, deprecations=deprecations(data))
+
+
+def deprecations(data: Mapping[str, Any]) -> tuple[str, ...]:
+    """`field: 'old' is deprecated, use 'new'` for each earlier spelling the raw job uses (pure)."""
+    from checkpoint.formats import FORMAT_ALIASES
+
+    found = []
+    checkpoint = (data.get("source") or {}).get("checkpoint") or {}
+    if isinstance(checkpoint, Mapping) and checkpoint.get("format") in FORMAT_ALIASES:
+        found.append(("source.checkpoint.format", checkpoint["format"], FORMAT_ALIASES[checkpoint["format"]]))
+    convert = (data.get("stages") or {}).get("convert") or {}
+    if isinstance(convert, Mapping) and convert.get("to_format") in FORMAT_ALIASES:
+        found.append(("stages.convert.to_format", convert["to_format"], FORMAT_ALIASES[convert["to_format"]]))
+    return tuple(f"{field}: {old!r} is deprecated, use {new!r} (accepted until migrate 0.3)" for field, old, new in found)
+
+
+RAY_WORKING_COPY = "/runtime_resources/working_dir_files/"  # where `ray job submit --working-dir` unpacks a job
 
 
 def load_job(path: Path | str) -> Job:

@@ -55,8 +55,15 @@ class CheckpointSection(Section):
     """A checkpoint on disk and its format."""
 
     path: str
-    format: Literal["deepspeed", "megatron", "megatron_legacy", "dcp", "hf", "auto"] = "auto"
+    format: Literal["deepspeed", "deepspeed-universal", "megatron", "megatron-legacy", "dcp", "hf", "auto"] = "auto"
     step: int | None = Field(default=None, ge=0, description="which saved step; None: the latest")
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _current_spelling(cls, value: Any) -> Any:
+        from checkpoint.formats import FORMAT_ALIASES
+
+        return FORMAT_ALIASES.get(value, value)  # the earlier spelling is noted by `deprecations`
 
 
 class MetricsSection(Section):

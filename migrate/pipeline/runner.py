@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from migrate.job.load import Job
+from migrate.progress import LiveStatus
 from migrate.pipeline.stage import StageArtifact, StageContext, StageDefinition, StageOutcome, StageStatus
 from migrate.stages import STAGES, execution_order
 
@@ -157,13 +158,15 @@ def run_pipeline(
         upstream = {dep: this_run.get(dep) or read_artifact(job, dep)
                     for dep in stage.upstream_in(listed, job.stage_options.get(name))}
         digest, inputs = input_hash(stage, job, {k: v for k, v in upstream.items() if v is not None})
-        previous = read_artifact(job, name)
+        key = stage.key(job.stage_options.get(name))
+        previous = read_artifact(job, key)
         decision = decide(stage=name, input_hash=digest, previous=previous, force=force, upstream=upstream)
         stage_dir = job.work_dir / name
+        result_dir = job.work_dir / key
         if decision.action == "skip":
             assert previous is not None
             artifact = previous
-            summary = (stage_dir / "summary.md").read_text() if (stage_dir / "summary.md").exists() else ""
+            summary = (result_dir / "summary.md").read_text() if (result_dir / "summary.md").exists() else ""
             echo(f"[{name}] skipped: {decision.reason}")
         elif decision.action == "block":
             stamp = _now()
@@ -172,18 +175,23 @@ def run_pipeline(
                 metrics={}, reasons=(decision.reason,), started_at=stamp, finished_at=stamp, duration_s=0.0,
             )
             summary = f"Blocked: {decision.reason}\n"
-            write_text_atomic(artifact_path(job, name), artifact.to_json())
+            write_text_atomic(artifact_path(job, key), artifact.to_json())
             echo(f"[{name}] blocked: {decision.reason}")
         else:
             echo(f"[{name}] running ({decision.reason})")
             stage_dir.mkdir(parents=True, exist_ok=True)
+            live = LiveStatus(name)
+            live("running")
             ctx = StageContext(
                 job=job, options=job.stage_options[name], work_dir=stage_dir,
                 upstream={k: v for k, v in upstream.items() if v is not None}, tracker=tracker,
-                start_group=start_group, stage=name,
+                start_group=start_group, stage=name, status=live,
             )
             started, t0 = _now(), time.monotonic()
-            outcome, error = _run_stage(stage, ctx)
+            try:
+                outcome, error = _run_stage(stage, ctx)
+            finally:
+                live.close(last="")
             duration = round(time.monotonic() - t0, 3)
             if outcome is None:
                 status, verdict = StageStatus.FAILED, None
@@ -200,15 +208,21 @@ def run_pipeline(
                 started_at=started, finished_at=_now(), duration_s=duration, error=error,
             )
             summary = outcome.summary_md
-            write_text_atomic(stage_dir / "summary.md", summary)
-            write_text_atomic(artifact_path(job, name), artifact.to_json())
+            write_text_atomic(result_dir / "summary.md", summary)
+            write_text_atomic(artifact_path(job, key), artifact.to_json())
             echo(f"[{name}] {status.value}" + (f" (verdict {verdict})" if verdict else "") + f" in {duration:.1f} s"
                  + (f": {'; '.join(reasons)}" if reasons and not status.ok else ""))
-        this_run[name] = artifact
+        if key == name:  # dependents use the stage's own result (the train stage's baseline side)
+            this_run[name] = artifact
         if decision.action != "skip":
             tracker.log_stage(artifact)
         records.append(StageRecord(artifact=artifact, decision=decision, summary_md=summary))
     from migrate.tracking.report import write_job_summary
 
     summary_path = write_job_summary(job, records, wandb_dir=getattr(tracker, "wandb_dir", None))
+    log_report = getattr(tracker, "log_report", None)
+    if log_report is not None and any(r.decision.action == "run" for r in records):
+        keys = [STAGES[r.artifact.stage].key(job.stage_options.get(r.artifact.stage)) for r in records]
+        log_report(f"{job.name}-report", [summary_path, job.work_dir / "summary.json",
+                                          *(job.work_dir / k / f for k in keys for f in ("summary.md", "result.json"))])
     return PipelineResult(records=tuple(records), summary_path=summary_path)

@@ -105,10 +105,16 @@ class StageContext:
     tracker: "Tracker"
     start_group: Callable[..., "WorkerGroup"]
     stage: str
+    status: Callable[..., None] = field(default=lambda *args, **kwargs: None)
+    """What the stage is doing now, for a live status line (`migrate.progress.LiveStatus`); None: quiet."""
 
     def worker_group(self, **overrides: Any) -> "WorkerGroup":
         """Start a worker group on the job's target (``overrides`` change spec fields)."""
-        return self.start_group(**overrides)
+        world = overrides.get("world_size")
+        self.status(f"starting {world} rank(s)" if world else "starting the worker group")
+        group = self.start_group(**overrides)
+        self.status(f"running on {group.spec.world_size} rank(s)")
+        return group
 
     def progress(self, items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
         """Iterate with a progress bar on stderr."""
@@ -116,8 +122,9 @@ class StageContext:
 
         yield from tqdm(items, desc=f"[{self.stage}] {desc}", total=total, leave=False, dynamic_ncols=True)
 
-    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-        self.tracker.log_metrics(step, metrics, prefix=self.stage)
+    def log_metrics(self, step: int, metrics: Mapping[str, Any], *, side: str | None = None) -> None:
+        """One step of this stage's series (of `side`, baseline or target, where the stage runs both)."""
+        self.tracker.log_metrics(step, metrics, prefix=self.stage, **({"side": side} if side else {}))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +148,12 @@ class StageDefinition:
     fingerprint: Callable[["Job", BaseModel], Mapping[str, Any]] | None = None
     version: str = "1"
     uses: Callable[[BaseModel], tuple[str, ...]] | None = None  # which ``after`` stages these options use (default: all)
+    artifact_key: Callable[[BaseModel], str] | None = None
+    """Where these options' result is kept, under the work dir (default: the stage's name); e.g. the train
+    stage's target side beside its baseline, which dependents use."""
+
+    def key(self, options: BaseModel | None) -> str:
+        return self.name if self.artifact_key is None or options is None else self.artifact_key(options)
 
     def upstream_in(self, listed: tuple[str, ...] | list[str], options: BaseModel | None = None) -> tuple[str, ...]:
         """The stages whose results this one uses in a job listing ``listed`` (with these options)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from checkpoint.layout import OptimizerSharding
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -41,8 +42,26 @@ def job_problem(job: Job, options: Any) -> Problem:
                    space=space, cost=CostOptions(overlap_grad_reduce=options.overlap_grad_reduce))
 
 
-def search_job(job: Job, options: Any, work_dir: Path, start_group: Callable[[], WorkerGroup]) -> SearchOutcome:
-    """Run the search (resuming from ``work_dir/profiles.jsonl``) and write the table and configs."""
+def _told(profile: Callable[[Any, int], Any], status: Callable[..., None]) -> Callable[[Any, int], Any]:
+    """`profile` that tells `status` which candidate it measures, and how the last one went."""
+    done: list[str] = []
+
+    def run(cand: Any, steps: int) -> Any:
+        last = f"; last: {done[-1]}" if done else ""
+        status(f"profiling candidate {len(done) + 1}: {cand.label()} for {steps} step(s){last}")
+        measured = profile(cand, steps)
+        step = f"{statistics.median(measured.step_times_s):.3g} s/step" if measured.ok and measured.step_times_s else \
+            f"failed ({(measured.reason or '')[:80]})"
+        done.append(f"{cand.label()} {step}")
+        return measured
+
+    return run
+
+
+def search_job(job: Job, options: Any, work_dir: Path, start_group: Callable[[], WorkerGroup],
+               status: Callable[..., None] = lambda *a, **k: None) -> SearchOutcome:
+    """Run the search (resuming from ``work_dir/profiles.jsonl``) and write the table and configs; `status`
+    is told each candidate profiled."""
     problem = job_problem(job, options)
     plan = plan_space(problem)
     workload = options.command or "builtin"
@@ -55,13 +74,13 @@ def search_job(job: Job, options: Any, work_dir: Path, start_group: Callable[[],
     elif options.command:
         profiler = CommandProfiler(options.command, problem.model, problem.train, warmup=options.warmup_steps,
                                    workdir=work_dir / "runs")
-        result = run_search(problem, profiler, cache, config, plan)
+        result = run_search(problem, _told(profiler, status), cache, config, plan)
     else:
         model, train = workload_specs(job)
         builtin = WorkloadProfiler(start_group, model, train, warmup=options.warmup_steps,
                                    timeout_s=job.spec.target.timeout_s)
         try:
-            result = run_search(problem, builtin, cache, config, plan)
+            result = run_search(problem, _told(builtin, status), cache, config, plan)
         finally:
             builtin.close()
     paths: dict[str, Path] = {}

@@ -135,6 +135,9 @@ def run(ctx: StageContext) -> StageOutcome:
         if ratios:
             metrics["busbw_ratio_min"] = round(min(ratios), 4)
     ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    if result.matrix:
+        ctx.tracker.log_table("comm", "matrix", ["check", "dtype", "elements", "status", "detail"],
+                              [[c.check, c.dtype, c.numel, c.status, c.detail] for c in result.matrix.cells])
     if reasons:
         text += "\nProblems:\n" + "\n".join(f"- {r}" for r in reasons) + "\n"
     return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, outputs=paths,

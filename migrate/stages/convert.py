@@ -15,14 +15,26 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
 from migrate.stages._target import target_layout as resolve_target_layout
 
 
 class ConvertOptions(StageOptions):
-    to_format: str | None = Field(default=None, description="target format; default: the source's")
+    to_format: str | None = Field(default=None, description="target format (deepspeed, deepspeed-universal, megatron, "
+                                                            "megatron-legacy, dcp, hf); default: the source's")
+
+    @field_validator("to_format")
+    @classmethod
+    def _known(cls, value: str | None) -> str | None:
+        from checkpoint.api import WRITABLE_FORMATS
+        from checkpoint.formats import FORMAT_ALIASES
+
+        value = FORMAT_ALIASES.get(value, value) if value else value  # the earlier spelling is noted by `deprecations`
+        if value is not None and value not in WRITABLE_FORMATS:
+            raise ValueError(f"to_format {value!r}: expected one of {', '.join(WRITABLE_FORMATS)}")
+        return value
     dp: int | None = Field(default=None, ge=1, description="target dp size; default: target.layout, else the source's")
     zero_stage: int | None = Field(default=None, ge=1, le=3, description="target ZeRO stage; default as dp")
     workers: int = Field(default=1, ge=1, description="local processes writing target files")
@@ -56,7 +68,6 @@ def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.execute import local_map
     from checkpoint.plan import rank_summaries, summarize
     from checkpoint.verify import compare_indexes
-    from migrate.convert_progress import Phases
 
     options: ConvertOptions = ctx.options  # type: ignore[assignment]
     job = ctx.job.spec
@@ -89,15 +100,13 @@ def run(ctx: StageContext) -> StageOutcome:
                            model_config=model_config, existing=existing,
                            trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
                            expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
-                           expect_pp=source_layout.pp, expect_ep=source_layout.ep, phase=phases)
+                           expect_pp=source_layout.pp, expect_ep=source_layout.ep,
+                           phase=lambda text, files=(): ctx.status(text, files=[str(dest / f) for f in files]))
 
-        phases = Phases(dest, label=ctx.stage)
         try:
             outcome = run_conversion(existing)
         except OtherPlanError:  # killed midway, then the job changed: start over
             outcome = run_conversion(Existing.OVERWRITE)
-        finally:
-            phases.close()
     result = outcome.result
     problems = compare_indexes(outcome.plan.source, read_index(dest)) if options.verify else []
     plan_text = summarize(outcome.plan)

@@ -284,6 +284,7 @@ def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.state.training_state import STATE_REPORT_FILE
     from migrate.stages._target import target_layout, target_micro_batch
     from migrate.stages.convert import source_checkpoint
+    from migrate.stages.train import MetricsFollower
     from migrate.workload.from_job import default_engine, run_spec, side_layout
 
     options: ResumeOptions = ctx.options  # type: ignore[assignment]
@@ -320,7 +321,9 @@ def run(ctx: StageContext) -> StageOutcome:
         path.unlink(missing_ok=True)
         spec = run_spec(job, layout, engine=engine, steps=steps, save_dir=None, load_dir=str(load), save_every=0,
                         metrics_path=str(path), micro_batch_size=dst_micro_batch if side == "target" else None)
-        runs[side] = Continuation.from_results(layout.describe(), _launch(ctx, spec, layout.world_size, env))
+        with MetricsFollower(path, ctx, total=options.steps, side=side,
+                             select=lambda r: {k: r[k] for k in ("loss", "grad_norm", "lr", "step_time_s") if k in r}):
+            runs[side] = Continuation.from_results(layout.describe(), _launch(ctx, spec, layout.world_size, env))
     report_path = converted / STATE_REPORT_FILE
     state_report = json.loads(report_path.read_text()) if report_path.is_file() else None
     same = src_layout == dst_layout and dst_micro_batch == job.training.micro_batch_size

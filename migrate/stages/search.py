@@ -45,7 +45,7 @@ def run(ctx: StageContext) -> StageOutcome:
     from migrate.search.run import search_job
 
     options: SearchOptions = ctx.options  # type: ignore[assignment]
-    outcome = search_job(ctx.job, options, ctx.work_dir, start_group=lambda: ctx.worker_group())
+    outcome = search_job(ctx.job, options, ctx.work_dir, start_group=lambda: ctx.worker_group(), status=ctx.status)
     result, paths, reasons = outcome.result, outcome.paths, outcome.reasons
     metrics = {"space": result.space_size, "rejected": result.rejected, "feasible": result.feasible,
                "profiled": result.profiled, "profiled_fraction": round(result.profiled_fraction, 4),
@@ -55,6 +55,10 @@ def run(ctx: StageContext) -> StageOutcome:
         metrics |= {"chosen": result.chosen.candidate.key, "chosen_step_s": result.chosen.measured_s,
                     "chosen_mfu": result.chosen.measured_mfu}
     ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    ctx.tracker.log_table("search", "ranking", ["candidate", "status", "predicted_s", "measured_s", "predicted_memory_gb",
+                                                "measured_mfu", "reason"],
+                          [[r.candidate.label(), r.status, r.predicted_s, r.measured_s, r.memory.total / 1e9,
+                            r.measured_mfu, r.reason or ""] for r in result.rows])
     (ctx.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
     return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, reasons=tuple(reasons),
                         outputs={k: str(v) for k, v in paths.items()}, summary_md=outcome.summary)

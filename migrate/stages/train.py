@@ -36,8 +36,8 @@ class MetricsFollower:
     takes from each line (default: every value but the step)."""
 
     def __init__(self, path: Path, ctx: StageContext, total: int | None,
-                 select: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
-        self.path, self.ctx, self.total = path, ctx, total
+                 select: Callable[[dict[str, Any]], dict[str, Any]] | None = None, side: str | None = None):
+        self.path, self.ctx, self.total, self.side = path, ctx, total, side
         self.select = select or (lambda record: {k: v for k, v in record.items() if k != "step"})
         self._stop = threading.Event()
         self._offset = 0
@@ -46,6 +46,7 @@ class MetricsFollower:
     def __enter__(self) -> "MetricsFollower":
         from tqdm import tqdm
 
+        self.ctx.status(None)  # the bar says it
         self._bar = tqdm(total=self.total, desc=f"[{self.ctx.stage}] steps", leave=False, dynamic_ncols=True)
         self._thread.start()
         return self
@@ -60,7 +61,7 @@ class MetricsFollower:
                     break
                 self._offset += len(line)
                 record = json.loads(line)
-                self.ctx.log_metrics(int(record["step"]), self.select(record))
+                self.ctx.log_metrics(int(record["step"]), self.select(record), side=self.side)
                 self._bar.update(1)
                 self._bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
 
@@ -73,6 +74,7 @@ class MetricsFollower:
         self._thread.join()
         self._poll()
         self._bar.close()
+        self.ctx.status("running")
 
 
 def _summary(records: list[dict[str, Any]], world: int, label: str, stopped: str | None) -> tuple[dict[str, Any], str]:
@@ -126,13 +128,13 @@ def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> St
     )
     env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
     with ctx.worker_group(world_size=layout.world_size, env=env) as group:
-        with MetricsFollower(metrics_path, ctx, total=steps):
+        with MetricsFollower(metrics_path, ctx, total=steps, side=options.side):
             results = group.run(rank_entry(engine), spec)
     main = results[0]
     records = [m.as_dict() for m in main.metrics]
     label = f"{options.side} run, {engine} at {layout.describe()}" + (f", resumed from step {main.start_step}" if main.start_step else "")
     metrics, summary = _summary(records, layout.world_size, label, main.stopped)
-    metrics.update({"engine": engine, "start_step": main.start_step, "layout": layout.describe()})
+    metrics.update({"engine": engine, "start_step": main.start_step, "layout": layout.describe(), "side": options.side})
     reasons = []
     if main.stopped:
         reasons.append(f"training stopped: {main.stopped}")
@@ -181,7 +183,7 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
                 if found is not None:
                     record[name] = float(found)
             records.append(record)
-            ctx.log_metrics(int(step), {k: v for k, v in record.items() if k != "step"})
+            ctx.log_metrics(int(step), {k: v for k, v in record.items() if k != "step"}, side=options.side)
     metrics_path = side_dir / "metrics.jsonl"
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     metrics, summary = _summary(records, layout.world_size, f"{options.side} run, external command at {layout.describe()}", None)
@@ -247,4 +249,5 @@ STAGE = StageDefinition(
     options=TrainOptions,
     reads=("source", "target", "model", "training"),
     fingerprint=_fingerprint,
+    artifact_key=lambda options: "train" if getattr(options, "side", "baseline") == "baseline" else f"train/{options.side}",
 )

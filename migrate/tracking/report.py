@@ -20,7 +20,7 @@ def _format_metric(value: Any) -> str:
     return str(value)
 
 
-def _target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
+def target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
     """The target layout as the job states it, else as the search stage chose it, else still open."""
     from migrate.stages._target import target_layout
 
@@ -30,6 +30,20 @@ def _target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
     except (ValueError, OSError, KeyError):
         return "layout to be chosen by search"
     return f"layout {layout.describe()}" + ("" if where == "target.layout" else " (chosen by the search stage)")
+
+
+def verdict_line(job: "Job", records: Sequence["StageRecord"], summary_path: Any) -> str:
+    """One line that ends a run: passed or not (and the first stage that did not, with its reason), the
+    target layout, and where the report is."""
+    bad = [r.artifact for r in records if not r.artifact.status.ok]
+    if not bad:
+        head = f"PASSED: {len(records)} stage(s) of job {job.name}"
+    else:
+        first = next((a for a in bad if a.status.value == "failed"), bad[0])
+        why = "; ".join(first.reasons)[:300] or first.status.value
+        head = f"NOT PASSED: stage {first.stage} {first.status.value}: {why}" + (
+            f" (and {len(bad) - 1} more stage(s) not passed)" if len(bad) > 1 else "")
+    return f"{head}; target {target_layout_line(job, records)}; report {summary_path}"
 
 
 def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> str:
@@ -45,7 +59,7 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
         f"- source: {src.cluster.device_count} x {src.cluster.device_type} ({src.cluster.resolved_backend}), "
         f"layout {src.layout.to_layout().describe()}",
         f"- target: {tgt.device_count} x {tgt.device_type} ({tgt.resolved_backend}), "
-        + _target_layout_line(job, records)
+        + target_layout_line(job, records)
         + f", Ray {tgt.ray.address}",
         f"- model: {spec.model.architecture}, {spec.model.num_layers} layers, hidden {spec.model.hidden_size}",
     ]

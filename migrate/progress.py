@@ -1,8 +1,11 @@
-"""What a user sees while a conversion runs: a phase that lasts (reading the source, planning) is announced
-once it has run for a few seconds and again every so often, with the seconds since the start; writing shows
-a bar over the target files as they appear at their final names (each is written to a temporary name and
-renamed when complete, so counting them works for threads, local processes and Ray tasks alike). Quick
-phases print nothing, so a bad input stays one line."""
+"""What a user sees while something runs: a phase that lasts is announced once it has run for a few seconds
+and again every so often, with the seconds since the start, as plain lines on stderr (they read the same in
+a terminal and in `ray job submit`'s log); quick phases print nothing, so a bad input stays one line.
+
+`LiveStatus(label)` is such a status (the runner keeps one per stage, which a stage refines with
+`ctx.status(text)` and silences with `ctx.status(None)` while it draws a bar of its own); a phase given
+`files` shows a bar over them as they appear under `dest` at their final names (a conversion writes each to a
+temporary name and renames it when complete, so counting them works for threads, processes and Ray tasks)."""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ ANNOUNCE_AFTER_S = 2.0
 REPEAT_EVERY_S = 10.0
 
 
-class Phases:
-    """A `phase(text, files=())` callback for `checkpoint.api.convert` (see the module docstring)."""
+class LiveStatus:
+    """A `status(text, files=())` callback (see the module docstring); `status(None)` stops announcing until
+    the next text. Also `checkpoint.api.convert`'s `phase` callback."""
 
-    def __init__(self, dest: Path, *, label: str = "convert", echo: Callable[[str], None] | None = None) -> None:
+    def __init__(self, label: str, *, dest: Path | str = ".", echo: Callable[[str], None] | None = None) -> None:
         self.dest, self.label, self.began = Path(dest), label, time.monotonic()
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self._current: tuple[str, float] | None = None
@@ -30,8 +34,8 @@ class Phases:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def __call__(self, phase: str, files: Sequence[str] = ()) -> None:
-        self._current, self._announced = (phase, time.monotonic()), 0.0
+    def __call__(self, phase: str | None, files: Sequence[str] = ()) -> None:
+        self._current, self._announced = (None if phase is None else (phase, time.monotonic())), 0.0
         self._files = tuple(files)
 
     def _say(self, text: str) -> None:
@@ -64,9 +68,9 @@ class Phases:
         if bar is not None:
             bar.close()
 
-    def close(self) -> None:
-        """Stop following; say how long it all took when anything was shown."""
+    def close(self, last: str = "done") -> None:
+        """Stop; say `last` with the seconds it all took when anything was shown."""
         self._stop.set()
         self._thread.join()
-        if self._shown:
-            self._say("done")
+        if self._shown and last:
+            self._say(last)
