@@ -5,6 +5,7 @@ from pathlib import Path
 
 from migrate.job.load import Job
 from migrate.workload.model_spec import LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
+from parallel_search.emit import Recipe
 from parallel_search.profiles import DeviceProfile, load_profile
 from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
@@ -61,3 +62,13 @@ def workload_specs(job: Job, dataset_size: int = 4096) -> tuple[ModelSpec, Train
                                                  decay_steps=t.lr_schedule.decay_steps or t.train_steps),
                       seed=t.seed, dataset_size=max(dataset_size, t.global_batch_size))
     return model, train
+
+
+def recipe(job: Job) -> Recipe:
+    """The job's optimizer, schedule, clipping, iterations, seed and model constants, for emitted configs."""
+    t, m = job.spec.training, job.spec.model
+    opt = t.optimizer
+    return Recipe(lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay, beta1=opt.beta1, beta2=opt.beta2,
+                  eps=opt.eps, clip_grad=opt.grad_clip, warmup_iters=t.lr_schedule.warmup_steps,
+                  decay_iters=t.lr_schedule.decay_steps, decay_style=t.lr_schedule.decay, train_iters=t.train_steps,
+                  seed=t.seed, rotary_base=m.rotary_base, norm_eps=m.norm_eps)

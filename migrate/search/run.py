@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from migrate.job.load import Job
 from migrate.runtime.worker_group import WorkerGroup
-from migrate.search.problem import cluster_shape, device_profile, model_shape, training_shape, workload_specs
+from migrate.search.problem import cluster_shape, device_profile, model_shape, recipe, training_shape, workload_specs
 from migrate.search.profiler import CommandProfiler, WorkloadProfiler
 from parallel_search.cost import CostOptions
 from parallel_search.emit import write_configs
@@ -90,7 +90,8 @@ def search_job(job: Job, options: Any, work_dir: Path, start_group: Callable[[],
                        f"{result.profiled} profiled, none succeeded")
     else:
         paths |= write_configs(work_dir / "chosen", problem.model, problem.train, result.chosen.candidate,
-                               overlap_grad_reduce=options.overlap_grad_reduce)
+                               overlap_grad_reduce=options.overlap_grad_reduce, recipe=recipe(job),
+                               devices_per_node=problem.cluster.devices_per_node)
     if options.profile and options.target_mfu and not result.target_met:
         reasons.append(next((e for e in result.events if e.startswith("target MFU")),
                             f"target MFU {options.target_mfu} not reached"))
