@@ -19,7 +19,7 @@ from pydantic import Field
 
 from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, StageOutcome
 
-_PACKAGES = ("torch", "deepspeed", "megatron-core", "ray", "migrate")
+_PACKAGES = ("torch", "deepspeed", "megatron-core", "ray", "migrate-training")
 
 
 class PreflightOptions(StageOptions):
