@@ -52,7 +52,7 @@ def test_deepspeed_to_universal_equals_ds_to_universal(spec, deepspeed_checkpoin
         dst = tmp_path / f"uni_z{stage}"
         convert(src, dst, to="deepspeed_universal", zero_stage=stage)
         assert verify_manifest(dst) == []
-        assert detect_format(dst) == "deepspeed_universal"
+        assert detect_format(dst) == "deepspeed-universal"
         _assert_same(_our_universal(dst), ref, f"{spec.name} -> universal (z{stage} names)")
         steps = {n: torch.load(p, weights_only=True) for n, p in
                  ((p.parent.name, p) for p in (dst / "global_step3_universal" / "zero").glob("*/step.pt"))}

@@ -34,8 +34,13 @@ def ray_head():
            "RAY_USAGE_STATS_ENABLED": "0", "WANDB_MODE": "offline"}
     env.pop("RAY_ADDRESS", None)
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard, agent, agent_grpc, runtime_env, metrics = (_free_port() for _ in range(6))
+    # Every port this head listens on is chosen here: the defaults (the job agent's 52365 above all) are held
+    # by any other Ray on the machine, such as an embedded one another test left running, and a head whose
+    # agent cannot bind answers every submission with "No available agent".
     start = subprocess.run([str(venv / "ray"), "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
+                            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                            f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
                             "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=4",
                             "--disable-usage-stats", f"--temp-dir={temp}"], env=env, capture_output=True, text=True,
                            timeout=240)
@@ -83,7 +88,7 @@ def _job_dir(tmp_path: Path, work_dir: str) -> Path:
 
 def _submit(env: dict, address: str, folder: Path) -> subprocess.CompletedProcess:
     """Submit and wait; a head whose job agent has not registered yet says so ("try again later"): retried."""
-    for _ in range(30):
+    for _ in range(15):
         run = subprocess.run([str(Path(sys.executable).with_name("ray")), "job", "submit", f"--address={address}",
                               "--working-dir", str(folder), "--", "python", "-m", "migrate", "run", "job.yaml"],
                              env=env, capture_output=True, text=True, timeout=600)

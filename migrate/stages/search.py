@@ -11,6 +11,7 @@ Writes ``ranking.json``, ``ranking.md`` and the chosen plan's runnable configs
 from __future__ import annotations
 
 import json
+import sys
 from typing import Literal
 
 from pydantic import Field
@@ -43,17 +44,25 @@ class SearchOptions(StageOptions):
 
 def run(ctx: StageContext) -> StageOutcome:
     from migrate.search.run import search_job
+    from migrate.stages._target import layout_override
 
     options: SearchOptions = ctx.options  # type: ignore[assignment]
     outcome = search_job(ctx.job, options, ctx.work_dir, start_group=lambda: ctx.worker_group(), status=ctx.status)
     result, paths, reasons = outcome.result, outcome.paths, outcome.reasons
+    summary = outcome.summary
+    fixed = ctx.job.spec.target.layout
+    override = (layout_override(fixed.to_layout(), result.chosen.candidate.layout)
+                if fixed is not None and result.chosen is not None else None)
+    if override is not None:  # later stages use the job's layout: say so now, and in the report
+        print(f"[search] warning: {override}", file=sys.stderr, flush=True)
+        summary = f"> **Warning:** {override}.\n\n{summary}"
     metrics = {"space": result.space_size, "rejected": result.rejected, "feasible": result.feasible,
                "profiled": result.profiled, "profiled_fraction": round(result.profiled_fraction, 4),
                "profile_calls": result.profile_calls, "cache_hits": result.cache_hits,
                "target_met": result.target_met}
     if result.chosen is not None:
         metrics |= {"chosen": result.chosen.candidate.key, "chosen_step_s": result.chosen.measured_s,
-                    "chosen_mfu": result.chosen.measured_mfu}
+                    "chosen_mfu": result.chosen.measured_mfu, "overridden_by_job_layout": override is not None}
     ctx.log_metrics(0, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
     ctx.tracker.log_table("search", "ranking", ["candidate", "status", "predicted_s", "measured_s", "predicted_memory_gb",
                                                 "measured_mfu", "reason"],
@@ -61,7 +70,7 @@ def run(ctx: StageContext) -> StageOutcome:
                             r.measured_mfu, r.reason or ""] for r in result.rows])
     (ctx.work_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
     return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, reasons=tuple(reasons),
-                        outputs={k: str(v) for k, v in paths.items()}, summary_md=outcome.summary)
+                        outputs={k: str(v) for k, v in paths.items()}, summary_md=summary)
 
 
 STAGE = StageDefinition(

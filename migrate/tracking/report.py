@@ -29,6 +29,8 @@ def target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
         layout, where = target_layout(job, upstream)
     except (ValueError, OSError, KeyError):
         return "layout to be chosen by search"
+    if where.startswith("target.layout ("):  # fixed by the job, against the search's choice
+        return f"layout {layout.describe()} from target.layout, not the search's choice (see the search stage)"
     return f"layout {layout.describe()}" + ("" if where == "target.layout" else " (chosen by the search stage)")
 
 
