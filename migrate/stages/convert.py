@@ -11,6 +11,7 @@ verification finds a difference.
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
@@ -43,13 +44,49 @@ class ConvertOptions(StageOptions):
 
 
 def source_checkpoint(job: Any, upstream: Mapping[str, Any]) -> Path:
-    """The checkpoint to convert: the job's ``source.checkpoint``, else the baseline train run's."""
-    if job.spec.source.checkpoint is not None:
-        return job.resolve(job.spec.source.checkpoint.path)
+    """The checkpoint to convert: the job's ``source.checkpoint`` (the folder of its ``step`` when set, checked
+    against its ``format`` unless auto), else the baseline train run's."""
+    stated = job.spec.source.checkpoint
+    if stated is not None:
+        path = job.resolve(stated.path)
+        if stated.step is not None:
+            path = checkpoint_at_step(path, stated.step)
+        if stated.format != "auto":
+            from checkpoint.api import detect_format
+            from checkpoint.errors import CheckpointFormatError
+
+            try:
+                found = detect_format(path)
+            except CheckpointFormatError:
+                found = None  # the reader names what is missing
+            if found is not None and found != stated.format:
+                raise ValueError(f"source.checkpoint.format: the job says {stated.format!r}, but {path} is a "
+                                 f"{found!r} checkpoint")
+        return path
     train = upstream.get("train")
     if train is not None and "checkpoint_dir" in train.outputs:
         return Path(train.outputs["checkpoint_dir"])
     raise ValueError("no source checkpoint: set source.checkpoint.path, or list the train stage (side: baseline) before convert")
+
+
+STEP_FOLDERS = ("global_step{step}", "iter_{step:07d}", "step-{step}", "checkpoint-{step}")
+"""How DeepSpeed, Megatron-LM, torchtitan and the HF Trainer name the folder of one saved step."""
+
+
+def checkpoint_at_step(root: Path, step: int) -> Path:
+    """The folder of saved step `step` in the save directory `root` (or `root` itself when it is that folder);
+    ValueError naming the folders looked for and the steps that are there."""
+    names = [pattern.format(step=step) for pattern in STEP_FOLDERS]
+    if root.name in names:
+        return root
+    for name in names:
+        if (root / name).is_dir():
+            return root / name
+    pattern = re.compile(r"^(?:global_step|iter_|step-|checkpoint-)(\d+)$")
+    saved = sorted(int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
+                   if p.is_dir() and (m := pattern.match(p.name)))
+    raise ValueError(f"source.checkpoint.step: step {step} is not saved in {root} (looked for {', '.join(names)}); "
+                     f"saved steps there: {saved or 'none'}")
 
 
 def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
