@@ -71,7 +71,9 @@ class GradNormTolerance:
     step_rel: float = 0.05
     """One baseline: the least per-step noise of the log grad-norm residual (5 %)."""
     warmup_steps: int = 0
+    """Aligned steps left out of the level and of the drift tests' reference at the start."""
     allowed_failures: int = 0
+    """Per-step excursions tolerated beyond the rule."""
 
     def __post_init__(self) -> None:
         _positive("grad_norm", level_rel=self.level_rel, window_rel=self.window_rel, step_rel=self.step_rel,
@@ -152,7 +154,10 @@ class LrTolerance:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlignTolerance:
     by: Literal["step", "tokens"] = "step"
+    """align the runs by optimizer step, or by consumed tokens (runs with different global batches)"""
     restart_policy: Literal["last", "first", "error"] = "last"
+    """a step logged twice (a restart): keep the resumed attempt (last), the original one (first), or refuse the log
+    (error)"""
 
     def __post_init__(self) -> None:
         if self.by not in ("step", "tokens"):

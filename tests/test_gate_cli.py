@@ -134,7 +134,7 @@ def test_gate_stage_in_a_job(tmp_path, baselines, monkeypatch):
     monkeypatch.setitem(STAGES, "gate", STAGE)
     demo = yaml.safe_load((Path(__file__).parents[1] / "configs" / "demo_cpu.yaml").read_text())
     demo["work_dir"] = str(tmp_path / "work")
-    demo["source"]["metrics"] = [{"path": baselines[0], "format": "jsonl"}]
+    demo["source"]["metrics"] = [{"path": baselines[0], "format": "jsonl", "label": "h100 run 7"}]
     demo["tracking"] = {"tensorboard": False, "wandb": {"enabled": False}}
     candidate = _jsonl(tmp_path / "cand.jsonl", _curve(2))
     demo["stages"] = {"gate": {"candidate": candidate, "extra_baselines": [baselines[1]],
@@ -149,6 +149,7 @@ def test_gate_stage_in_a_job(tmp_path, baselines, monkeypatch):
     artifact = json.loads((job.work_dir / "gate" / "result.json").read_text())
     assert artifact["verdict"] == "pass"
     assert Path(artifact["outputs"]["html"]).exists()
+    assert f"* baseline: `h100 run 7 ({baselines[0]})`" in (job.work_dir / "gate" / "summary.md").read_text()
     bad = dict(demo, stages={"gate": {"tolerances": {"loss": {"nope": 1}}}})
     with pytest.raises(Exception, match="nope"):
         parse_job(bad, tmp_path / "job.yaml")

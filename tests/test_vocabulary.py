@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -75,3 +76,23 @@ def test_comm_in_both_spellings_checks_the_same_and_notes_the_earlier_one(tmp_pa
     written = json.loads((tmp_path / "old.json").read_text())
     assert cells(written) == cells(printed) and len(cells(printed)) == 2
     assert (tmp_path / "new" / "comm.md").is_file() and (tmp_path / "old" / "comm.md").is_file()
+
+
+def test_the_comm_stage_takes_the_short_dtype_names_and_notes_torchs(tmp_path):
+    from migrate.job.load import JobError, load_job
+    from migrate.stages.comm import build_suite
+
+    data = yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text())
+    data["stages"] = {"preflight": {}, "comm": {"dtypes": ["fp32", "bfloat16", "int64"], "bandwidth_dtype": "float16"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    job = load_job(path)
+    assert job.deprecations == (
+        "stages.comm.dtypes: 'bfloat16' is deprecated, use 'bf16' (accepted until migrate 0.3)",
+        "stages.comm.bandwidth_dtype: 'float16' is deprecated, use 'fp16' (accepted until migrate 0.3)")
+    suite = build_suite(job.stage_options["comm"], "bf16")
+    assert suite.matrix.dtypes == ("float32", "bfloat16", "int64") and suite.bandwidth.dtype == "float16"
+    data["stages"]["comm"] = {"dtypes": ["fp8"]}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(JobError, match=r"stages.comm.dtypes.*unknown dtype\(s\) \['fp8'\]"):
+        load_job(path)

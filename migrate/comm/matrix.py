@@ -48,6 +48,9 @@ DTYPES: Mapping[str, torch.dtype] = {
 }
 """Dtype names accepted in plans."""
 
+SHORT_NAMES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+"""The CLI's and the job's spelling of the float dtypes -> torch's (the integer dtypes keep torch's names)."""
+
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 DEFAULT_SIZES = (1, 7, 1024, 65_537, 1_048_576)
 """Elements per rank chunk: a few, odd, and large (4 MiB of fp32)."""

@@ -103,23 +103,22 @@ def command(job_file: Path | None, force: bool, backend: str | None, device: str
         ray_address=ray_address, timeout_s=timeout_s))
 
 
-TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
-
-
 def _note(text: str) -> None:
     click.echo(f"note: {text} (accepted until migrate 0.3)", err=True)
 
 
 def _dtypes(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """fp32/bf16/fp16/fp64 (and integer dtypes) as torch names; torch's own float names with a note."""
+    from migrate.comm.matrix import SHORT_NAMES
+
     if names is None:
         return None
     out = []
     for name in names:
-        if name in TORCH_NAMES.values():
-            short = next(k for k, v in TORCH_NAMES.items() if v == name)
+        if name in SHORT_NAMES.values():
+            short = next(k for k, v in SHORT_NAMES.items() if v == name)
             _note(f"dtype {name!r} is deprecated, use {short!r}")
-        out.append(TORCH_NAMES.get(name, name))
+        out.append(SHORT_NAMES.get(name, name))
     return tuple(out)
 
 

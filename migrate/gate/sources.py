@@ -7,6 +7,8 @@ online W&B run.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 from convergence.readers import FORMATS, read_metrics
@@ -22,6 +24,15 @@ def spec_for(path: str, fmt: str = "auto") -> str:
     """A source spec from a job's ``metrics: {path, format}`` entry."""
     fmt = JOB_FORMATS.get(fmt, fmt)
     return path if fmt == "auto" else f"{fmt}:{path}"
+
+
+def labelled(run: RunMetrics, label: str | None) -> RunMetrics:
+    """`run` named `label (where it was read)` in checks and reports (its series too); unchanged without one."""
+    if not label:
+        return run
+    name = f"{label} ({run.source})" if run.source else label
+    return dataclasses.replace(run, source=name, series={k: dataclasses.replace(s, source=name)
+                                                         for k, s in run.series.items()})
 
 
 def load_run(spec: str, *, policy: RestartPolicy = "last") -> RunMetrics:

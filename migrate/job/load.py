@@ -166,6 +166,15 @@ def deprecations(data: Mapping[str, Any]) -> tuple[str, ...]:
     convert = (data.get("stages") or {}).get("convert") or {}
     if isinstance(convert, Mapping) and convert.get("to_format") in FORMAT_ALIASES:
         found.append(("stages.convert.to_format", convert["to_format"], FORMAT_ALIASES[convert["to_format"]]))
+    comm = (data.get("stages") or {}).get("comm") or {}
+    if isinstance(comm, Mapping):
+        from migrate.comm.matrix import SHORT_NAMES
+
+        torch_names = {v: k for k, v in SHORT_NAMES.items()}
+        dtypes = comm.get("dtypes") if isinstance(comm.get("dtypes"), (list, tuple)) else ()
+        found += [("stages.comm.dtypes", d, torch_names[d]) for d in dtypes if d in torch_names]
+        if comm.get("bandwidth_dtype") in torch_names:
+            found.append(("stages.comm.bandwidth_dtype", comm["bandwidth_dtype"], torch_names[comm["bandwidth_dtype"]]))
     return tuple(f"{field}: {old!r} is deprecated, use {new!r} (accepted until migrate 0.3)" for field, old, new in found)
 
 

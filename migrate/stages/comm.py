@@ -34,22 +34,41 @@ class CommOptions(StageOptions):
     """Options of the comm stage (``stages: {comm: {...}}`` in the job)."""
 
     ops: tuple[str, ...] = Field(default=mx.ALL_CHECKS, description="collective families or checks")
-    dtypes: tuple[str, ...] = mx.DEFAULT_DTYPES
+    dtypes: tuple[str, ...] = Field(default=("fp32", "bf16", "fp16", "int32", "int64"),
+                                    description="dtypes of the matrix: fp32, bf16, fp16, fp64, int32, int64, int8, uint8")
     sizes: tuple[int, ...] = Field(default=mx.DEFAULT_SIZES, description="elements per rank chunk")
     world_size: int | None = Field(default=None, ge=1, description="ranks; default target.device_count")
     fallbacks: bool = True
+    """check the compositions that stand in for what the target lacks (e.g. uneven all_gather by padding) and time
+    them next to the native op"""
     fallback_sizes: tuple[int, ...] = (7, 65_537)
+    """elements per rank chunk of the fallback checks"""
     fallback_iters: int = Field(default=5, ge=1)
+    """timed iterations of each fallback"""
     bandwidth: bool = True
+    """measure bus and algorithm bandwidth per op and size (nccl-tests' definitions)"""
     bandwidth_ops: tuple[str, ...] = bw.BW_OPS
+    """ops whose bandwidth is measured"""
     bandwidth_sizes: tuple[int, ...] = Field(default=bw.DEFAULT_SIZES_BYTES, description="S in bytes")
-    bandwidth_dtype: str | None = Field(default=None, description="default: the training precision")
+    bandwidth_dtype: str | None = Field(default=None, description="fp32, bf16 or fp16; default: the training precision")
     warmup: int = Field(default=5, ge=0)
+    """untimed iterations before each bandwidth measurement"""
     iters: int = Field(default=20, ge=1)
+    """timed iterations of each bandwidth measurement"""
     compare_with: str | None = Field(default=None, description="source cluster's comm_result.json")
     source_env: dict[str, str] = Field(default_factory=dict, description="source job's NCCL_*/HCCL_*/... settings")
     source_options: dict[str, Any] = Field(default_factory=dict, description="bucket sizes, overlap, timeouts")
     fail_on_missing: bool = True
+    """fail when a collective that training needs at the job's precision neither works nor has a working fallback"""
+
+    @field_validator("dtypes", "bandwidth_dtype")
+    @classmethod
+    def _dtypes(cls, value: Any) -> Any:
+        names = (value,) if isinstance(value, str) else value or ()
+        unknown = [n for n in names if n not in mx.SHORT_NAMES and n not in mx.DTYPES]
+        if unknown:
+            raise ValueError(f"unknown dtype(s) {unknown}; known: {[*mx.SHORT_NAMES, 'int32', 'int64', 'int8', 'uint8']}")
+        return value  # torch's float names too: the earlier spelling, noted by `deprecations`
 
     @field_validator("ops")
     @classmethod
@@ -66,17 +85,21 @@ class CommOptions(StageOptions):
         return value
 
 
+def _torch_names(names: Any) -> tuple[str, ...]:
+    return tuple(mx.SHORT_NAMES.get(n, n) for n in names)
+
+
 def build_suite(options: CommOptions, precision: str) -> CommSuite:
     """The plans the options describe (pure)."""
     train_dtype = _PRECISION_DTYPE[precision]
     return CommSuite(
-        matrix=mx.MatrixPlan(checks=mx.expand_checks(options.ops), dtypes=tuple(options.dtypes),
+        matrix=mx.MatrixPlan(checks=mx.expand_checks(options.ops), dtypes=tuple(_torch_names(options.dtypes)),
                              sizes=tuple(options.sizes)),
         fallbacks=fb.FallbackPlan(dtypes=tuple(dict.fromkeys((train_dtype, "float32"))),
                                   sizes=tuple(options.fallback_sizes), iters=options.fallback_iters)
         if options.fallbacks else None,
         bandwidth=bw.BandwidthPlan(ops=tuple(options.bandwidth_ops), sizes_bytes=tuple(options.bandwidth_sizes),
-                                   dtype=options.bandwidth_dtype or train_dtype, warmup=options.warmup,
+                                   dtype=_torch_names((options.bandwidth_dtype or train_dtype,))[0], warmup=options.warmup,
                                    iters=options.iters) if options.bandwidth else None,
         precision=precision,
     )

@@ -25,9 +25,13 @@ class GateOptions(StageOptions):
     extra_baselines: tuple[str, ...] = Field(default=(), description="more baseline runs (repeats) for calibration")
     tolerances: dict[str, Any] = Field(default_factory=dict, description="tolerance overrides (tolerances YAML keys)")
     tolerances_file: str | None = None
+    """a tolerances YAML (see Gate tolerances below), relative to the job file; replaces tolerances"""
     loss_key: str | None = None
+    """the loss series' name in the metrics when it is none of the usual ones (loss, lm loss, train/loss, ...)"""
     grad_norm_key: str | None = None
+    """the gradient norm series' name when it is none of the usual ones (grad_norm, grad-norm, ...)"""
     lr_key: str | None = None
+    """the learning rate series' name when it is none of the usual ones (lr, learning-rate, ...)"""
 
     @field_validator("tolerances")
     @classmethod
@@ -82,17 +86,17 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> StageOutcome:
-    from migrate.gate.sources import load_run, spec_for
+    from migrate.gate.sources import labelled, load_run, spec_for
 
     options: GateOptions = ctx.options  # type: ignore[assignment]
     tol = load_tolerances(ctx.job.resolve(options.tolerances_file)) if options.tolerances_file else \
         tolerances_from_mapping(options.tolerances, "stages.gate.tolerances")
-    specs = [spec_for(str(ctx.job.resolve(m.path)), m.format) for m in ctx.job.spec.source.metrics]
-    specs += [_resolve_spec(ctx.job, s) for s in options.extra_baselines]
+    specs = [(spec_for(str(ctx.job.resolve(m.path)), m.format), m.label) for m in ctx.job.spec.source.metrics]
+    specs += [(_resolve_spec(ctx.job, s), None) for s in options.extra_baselines]
     if not specs:
-        specs = _baseline_from_runs(ctx)
+        specs = [(s, None) for s in _baseline_from_runs(ctx)]
     policy = tol.align.restart_policy
-    baselines = [load_run(s, policy=policy) for s in specs]
+    baselines = [labelled(load_run(s, policy=policy), label) for s, label in specs]
     candidate = load_run(_candidate_spec(ctx, options), policy=policy)
     verdict = evaluate(baselines, candidate, tol, MetricKeys(loss=options.loss_key, grad_norm=options.grad_norm_key,
                                                              lr=options.lr_key))

@@ -26,6 +26,7 @@ class CustomOperator(StageOptions):
     or 'path/to/file.py:function' (relative to the job file)."""
 
     name: str
+    """the operator's name in reports and dumps"""
     reference: str = Field(description="the operator's reference implementation (the mathematics, plain torch)")
     targets: dict[str, str | list[str]] = Field(default_factory=dict, description="backend (cpu, cuda, npu, ...) -> "
                                                 "its implementation(s), in preference order")

@@ -26,6 +26,7 @@ class PreflightOptions(StageOptions):
     elements: int = Field(default=65536, ge=1, description="elements in the all_reduce / broadcast check")
     world_size: int | None = Field(default=None, ge=1, description="ranks to start; default: target.device_count")
     require_same_versions: bool = True
+    """fail when the ranks report different torch, backend or framework versions"""
 
 
 def _version(package: str) -> str | None:

@@ -21,24 +21,39 @@ from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, 
 
 class SearchOptions(StageOptions):
     frameworks: tuple[Literal["megatron", "deepspeed"], ...] = ("megatron", "deepspeed")
+    """the engines whose layouts are searched (their sharding and pipeline options differ)"""
     micro_batch_sizes: tuple[int, ...] | None = Field(default=None, description="None: powers of two up to max_micro_batch")
     max_micro_batch: int = Field(default=8, ge=1)
+    """the largest micro batch tried when micro_batch_sizes is not given"""
     recompute: tuple[Literal["none", "selective", "full"], ...] = ("none",)
+    """activation recomputation modes tried"""
     sequence_parallel: Literal["auto", "both", "off"] = "auto"
+    """auto: on exactly when tp > 1 (Megatron's recommendation); both: try on and off; off: never"""
     vpp: tuple[int, ...] = (1, 2)
+    """virtual pipeline sizes tried (where pp > 1 and the layers divide)"""
     context_parallel: tuple[int, ...] = (1,)
+    """context-parallel sizes tried"""
     shardings: tuple[Literal["none", "zero1", "zero2", "zero3", "distributed_optimizer", "fsdp"], ...] | None = Field(
         default=None, description="optimizer shardings to consider; default: all the framework has")
     max_trials: int | None = Field(default=None, ge=1, description="distinct candidates profiled at most")
     max_fraction: float = Field(default=0.25, gt=0, le=1)
+    """profile at most this share of the candidates that fit in memory (at least 2)"""
     max_seconds: float | None = Field(default=None, gt=0)
+    """wall-clock budget for profiling; the best measured so far wins when it is spent"""
     min_steps: int = Field(default=2, ge=1)
+    """timed steps per candidate in the first rung of successive halving"""
     max_steps: int = Field(default=8, ge=1)
+    """timed steps in the last rung (each rung multiplies the steps by 2 and halves the candidates)"""
     warmup_steps: int = Field(default=1, ge=0)
+    """untimed steps before a candidate's timed ones"""
     target_mfu: float = Field(default=0.0, ge=0, le=1)
+    """when the best measured MFU is below this, more candidates are measured while the budget lasts, and the stage
+    fails if none reaches it (0: no target)"""
     device_profile: str | None = Field(default=None, description="overrides target.device_profile")
     command: str | None = Field(default=None, description="the user's launch command template; None: built-in workloads")
     overlap_grad_reduce: bool = False
+    """the cost model hides the data-parallel gradient reduction behind the backward (Megatron's --overlap-grad-
+    reduce)"""
     profile: bool = Field(default=True, description="False: rank analytically only (no runs)")
 
 

@@ -81,7 +81,9 @@ class StabilityOptions(StageOptions):
     max_skipped_fraction: float = Field(default=0.01, ge=0, le=1, description="optimizer steps skipped (overflow) allowed")
     max_loss_spikes: int = Field(default=0, ge=0, description="loss spikes allowed (the gate's spike rule)")
     spike_window: int = Field(default=20, ge=3)
+    """steps before a point whose median and spread judge it (the gate's spike rule)"""
     spike_z: float = Field(default=6.0, gt=0)
+    """a spike lies more than this many robust standard deviations from that median"""
     engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
     leak_bytes_per_step: int = Field(default=0, ge=0, description="test hook: every rank keeps this many more bytes per step")
     stall_every: int = Field(default=0, ge=0, description="test hook: every rank sleeps stall_s in every K-th step")

@@ -24,6 +24,7 @@ from migrate.pipeline.stage import StageContext, StageDefinition, StageOptions, 
 
 class TrainOptions(StageOptions):
     side: Literal["baseline", "target"] = "baseline"
+    """baseline: the source layout; target: the target layout (the job's or the search's)"""
     steps: int | None = Field(default=None, ge=1, description="optimizer steps; default training.train_steps")
     save_every: int = Field(default=0, ge=0, description="checkpoint every K steps (0: only at the end)")
     load: str | None = Field(default=None, description="checkpoint to resume from (relative to the job file)")
