@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
@@ -29,59 +28,27 @@ def load_or_exit(job_file: Path) -> Job:
     return job
 
 
-def resource_problems(job: Job, runtime: Any, stages: Sequence[str]) -> list[str]:
-    """Every worker group of `stages` that the target cluster cannot place (`migrate.runtime.resources`)."""
-    from migrate.runtime.resources import shortfalls, stage_needs
-
-    needs = stage_needs(job, stages)
-    if not needs:
-        return []
-    return shortfalls(needs, runtime.resources(sorted({n.device_type for n in needs})))
-
-
 def run_stages(job: Job, stages: Sequence[str] | None, force: bool) -> int:
-    """Run stages of ``job`` with tracking and the target runtime; return the exit code. Before anything runs,
-    the stages that would run are checked against the cluster: every shortfall at once, exit code 2."""
-    from migrate.pipeline.preview import preview
-    from migrate.runtime.session import TargetRuntime
+    """Run stages of ``job`` with tracking and the target runtime (`migrate.api.run_job`); return the exit code.
+    Before anything runs, the stages that would run are checked against the cluster: every shortfall at once,
+    exit code 2."""
+    from migrate.api import ClusterShortfall, run_job
+    from migrate.tracking.report import verdict_line
 
-    with ExitStack() as stack:
-        runtime = stack.enter_context(TargetRuntime(job.spec.target))
-        try:
-            would_run = [p.stage for p in preview(job, stages, force=force) if p.action == "run"]
-        except ValueError as exc:
-            click.echo(f"error: {exc}", err=True)
-            return EXIT_BAD_INPUT
-        problems = resource_problems(job, runtime, would_run)
-        if problems:
-            click.echo(f"{job.path}: the cluster cannot run {len({p.split(':')[0] for p in problems})} stage(s) of "
-                       f"this job (nothing was run):", err=True)
-            for problem in problems:
-                click.echo(f"  - {problem}", err=True)
-            return EXIT_BAD_INPUT
-        return _run_tracked(job, stages, force, runtime)
-
-
-def _run_tracked(job: Job, stages: Sequence[str] | None, force: bool, runtime: Any) -> int:
-    """The stages run on `runtime`'s worker groups with the job's tracking; the exit code."""
-    from migrate.pipeline.runner import run_pipeline
-    from migrate.tracking.tracker import Tracker
-
-    tracker = Tracker(job.work_dir, job.spec.tracking, run_name=job.name, config=job.spec.model_dump(mode="json"))
     try:
-        result = run_pipeline(job, stages=stages, force=force, tracker=tracker, start_group=runtime.start_group,
-                              echo=lambda line: click.echo(line, err=True))
+        result = run_job(job, stages=stages, force=force, echo=lambda line: click.echo(line, err=True))
+    except ClusterShortfall as exc:
+        click.echo(f"{exc.headline}:", err=True)
+        for problem in exc.problems:
+            click.echo(f"  - {problem}", err=True)
+        return EXIT_BAD_INPUT
     except ValueError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_BAD_INPUT
-    finally:
-        tracker.close()
-    from migrate.tracking.report import verdict_line
-
     click.echo(f"summary: {result.summary_path}")
-    click.echo(f"metrics: {tracker.jsonl_path}")
-    if tracker.wandb_dir:
-        click.echo(f"wandb:   {tracker.wandb_dir}")
+    click.echo(f"metrics: {result.metrics_path}")
+    if result.wandb_dir:
+        click.echo(f"wandb:   {result.wandb_dir}")
     click.echo(verdict_line(job, result.records, result.summary_path))
     return EXIT_OK if result.ok else EXIT_FAILED
 

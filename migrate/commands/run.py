@@ -33,18 +33,18 @@ def command(job_file: Path, stages: str | None, force: bool, dry_run: bool) -> N
 
 
 def _dry_run(job: Any, selected: list[str] | None, force: bool) -> int:
-    from migrate.commands._common import resource_problems
-    from migrate.pipeline.preview import preview, render
+    from migrate.api import cluster_problems, plan_job
+    from migrate.pipeline.preview import render
     from migrate.runtime.session import TargetRuntime
 
     try:
-        previews = preview(job, selected, force=force)
+        previews = plan_job(job, stages=selected, force=force)
     except ValueError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_BAD_INPUT
     click.echo(render(previews))
     with TargetRuntime(job.spec.target) as runtime:
-        problems = resource_problems(job, runtime, [p.stage for p in previews if p.action == "run"])
+        problems = cluster_problems(job, runtime, [p.stage for p in previews if p.action == "run"])
     if problems:
         click.echo(f"\nthe cluster cannot run them as it is ({len(problems)} shortfall(s)):")
         for problem in problems:

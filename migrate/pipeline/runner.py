@@ -120,6 +120,10 @@ class StageRecord:
 class PipelineResult:
     records: tuple[StageRecord, ...]
     summary_path: Path
+    metrics_path: Path | None = None
+    """The job's metrics.jsonl (every step and stage result of every invocation)."""
+    wandb_dir: str | None = None
+    """The W&B run folder, where the job logs to W&B and this invocation logged anything."""
 
     @property
     def ok(self) -> bool:
