@@ -29,3 +29,17 @@ def test_every_key_has_a_meaning_and_every_stage_a_section():
     for key in ("source.checkpoint.step", "target.layout.tp", "training.optimizer.grad_clip", "rule.alpha",
                 "loss.step_rel", "align.restart_policy"):
         assert f"| `{key}` |" in text
+
+
+def test_the_readmes_real_migration_job_is_a_valid_job(tmp_path):
+    from migrate.job.load import load_job
+
+    readme = (REPO / "README.md").read_text()
+    assert readme.startswith("# migrate\n\n```bash\n./scripts/setup && .venv/bin/migrate run configs/demo_cpu.yaml\n"
+                             "./scripts/setup && .venv/bin/python -m pytest\n```")
+    start = readme.index("```yaml\nname: llama70b") + len("```yaml\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(readme[start:readme.index("```", start)])
+    job = load_job(path)
+    assert list(job.stage_options) == ["preflight", "comm", "ops", "search", "convert", "resume", "stability", "gate"]
+    assert job.spec.target.resolved_backend == "hccl"
