@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from convergence.stability import StabilityVerdict, step_times
 from migrate.pipeline.stage import StageContext, StageOutcome
 
-if TYPE_CHECKING:
-    from migrate.stages.stability import Attempt, RecoveryDecision, RunPlan, StabilityOptions
+from migrate.stages._stability_model import (Attempt, RecoveryDecision, RunPlan, StabilityOptions, memory_segments,
+                                             recoveries, worst_trend)
 
 MIB = 2**20
 
 
-def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOptions",
+def _plots(directory: Path, attempts: Sequence[Attempt], options: StabilityOptions,
            steps: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]] | None) -> dict[str, str]:
     from convergence.stability import periodic_slowdown
     from convergence.stability_report import plot_loss, plot_memory, plot_step_time, plot_timeline
-    from migrate.stages.stability import memory_segments, worst_trend
 
     restarts = [a.loaded_step for a in attempts[1:]]
     images: dict[str, str] = {}
@@ -61,7 +60,7 @@ def _plots(directory: Path, attempts: Sequence["Attempt"], options: "StabilityOp
     return images
 
 
-def _rank_table(verdict: StabilityVerdict, attempts: Sequence["Attempt"]) -> str:
+def _rank_table(verdict: StabilityVerdict, attempts: Sequence[Attempt]) -> str:
     """Host RSS growth per rank as judged (the 8 largest lower bounds when there are more than 16 ranks)."""
     per_rank = {int(r): v["host_memory_growth"] for r, v in verdict.details.get("ranks", {}).items()
                 if "host_memory_growth" in v}
@@ -75,11 +74,10 @@ def _rank_table(verdict: StabilityVerdict, attempts: Sequence["Attempt"]) -> str
                       f"{last.get(r, float('nan')):.1f} |\n" for r in shown))
 
 
-def write_outputs(ctx: StageContext, plan: "RunPlan", options: "StabilityOptions", attempts: Sequence["Attempt"],
-                  decisions: Sequence["RecoveryDecision"], verdict: StabilityVerdict,
+def write_outputs(ctx: StageContext, plan: RunPlan, options: StabilityOptions, attempts: Sequence[Attempt],
+                  decisions: Sequence[RecoveryDecision], verdict: StabilityVerdict,
                   steps: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]] | None,
                   reference_from: int | None, *, layout_from: str) -> StageOutcome:
-    from migrate.stages.stability import recoveries
 
     directory = ctx.work_dir
     recovered = recoveries(attempts)
