@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from migrate.job.load import Job, JobError, load_job
 from migrate.pipeline.preview import Preview, preview
-from migrate.pipeline.runner import PipelineResult
+from migrate.pipeline.records import PipelineResult
 
 __all__ = ["ClusterShortfall", "Job", "JobError", "PipelineResult", "Preview", "load_job", "plan_job", "run_job"]
 

@@ -7,8 +7,6 @@ problem it raises ``JobError`` listing each one as ``field: message (got value)`
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,7 +14,10 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ValidationError
 
 from checkpoint import bounded_yaml
+from migrate.job.job import Job
 from migrate.job.schema import JobSpec
+
+__all__ = ["Job", "JobError", "Problem", "deprecations", "load_job", "parse_job"]
 
 
 @dataclass(frozen=True)
@@ -41,32 +42,6 @@ class JobError(ValueError):
             return
         body = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{self.path}: {len(self.problems)} problem(s), nothing was run:\n{body}")
-
-
-@dataclass(frozen=True)
-class Job:
-    """A validated job: the spec, where it came from, and each stage's options."""
-
-    spec: JobSpec
-    path: Path
-    work_dir: Path
-    stage_options: Mapping[str, BaseModel]
-    deprecations: tuple[str, ...] = ()  # earlier spellings the file uses, each with its current one
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def resolve(self, path: str) -> Path:
-        """A path from the job file, relative to the job file's folder."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else (self.path.parent / p).resolve()
-
-    def section_digest(self, *sections: str) -> str:
-        """A stable hash of the named top-level sections (inputs of a stage)."""
-        data = self.spec.model_dump(mode="json")
-        chosen = {name: data[name] for name in sections}
-        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -11,32 +11,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from migrate.job.load import Job
+from migrate.job.job import Job
 from migrate.progress import LiveStatus
+from migrate.pipeline.records import (ARTIFACT_NAME, Decision, PipelineResult, StageRecord, artifact_path,
+                                      read_artifact, write_text_atomic)
 from migrate.pipeline.stage import StageArtifact, StageContext, StageDefinition, StageOutcome, StageStatus
 from migrate.stages import STAGES, execution_order
 
-ARTIFACT_NAME = "result.json"
-
+__all__ = ["ARTIFACT_NAME", "Decision", "PipelineResult", "StageRecord", "artifact_path", "decide", "input_hash",
+           "read_artifact", "run_pipeline", "write_text_atomic"]
 
 _BLOCKED_BY = re.compile(r"^dependency '[^']+' blocked: ")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the runner does with one stage, and why."""
-
-    action: Literal["run", "skip", "block"]
-    reason: str
 
 
 def decide(
@@ -78,56 +69,8 @@ def input_hash(stage: StageDefinition, job: Job, upstream: Mapping[str, StageArt
     return digest, inputs
 
 
-def artifact_path(job: Job, stage: str) -> Path:
-    return job.work_dir / stage / ARTIFACT_NAME
-
-
-def read_artifact(job: Job, stage: str) -> StageArtifact | None:
-    path = artifact_path(job, stage)
-    if not path.exists():
-        return None
-    try:
-        return StageArtifact.from_json(path.read_text())
-    except (ValueError, TypeError, KeyError):
-        return None  # an unreadable artifact is treated as absent: the stage re-runs
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-@dataclass(frozen=True)
-class StageRecord:
-    """A stage's fate in this invocation: the artifact, and whether it ran, was skipped or blocked."""
-
-    artifact: StageArtifact
-    decision: Decision
-    summary_md: str
-
-
-@dataclass(frozen=True)
-class PipelineResult:
-    records: tuple[StageRecord, ...]
-    summary_path: Path
-    metrics_path: Path | None = None
-    """The job's metrics.jsonl (every step and stage result of every invocation)."""
-    wandb_dir: str | None = None
-    """The W&B run folder, where the job logs to W&B and this invocation logged anything."""
-
-    @property
-    def ok(self) -> bool:
-        return all(r.artifact.status.ok for r in self.records)
 
 
 def _run_stage(stage: StageDefinition, ctx: StageContext) -> tuple[StageOutcome | None, str]:

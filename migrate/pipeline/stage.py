@@ -11,14 +11,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Mapping, Protocol, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from migrate.job.load import Job
+    from migrate.job.job import Job
     from migrate.runtime.worker_group import WorkerGroup
-    from migrate.tracking.tracker import Tracker
 
 T = TypeVar("T")
 Verdict = Literal["pass", "fail", "done"]
@@ -94,6 +93,14 @@ class StageArtifact:
         return hashlib.sha256(body.encode()).hexdigest()
 
 
+class StageTracker(Protocol):
+    """What a stage may log (`migrate.tracking.tracker.Tracker` is the real one)."""
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any], *, prefix: str, side: str | None = None) -> None: ...
+
+    def log_table(self, stage: str, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None: ...
+
+
 @dataclass(frozen=True)
 class StageContext:
     """Everything a stage may use: the job, its options, its folder, upstream results, effects."""
@@ -102,7 +109,7 @@ class StageContext:
     options: BaseModel
     work_dir: Path
     upstream: Mapping[str, StageArtifact]
-    tracker: "Tracker"
+    tracker: StageTracker
     start_group: Callable[..., "WorkerGroup"]
     stage: str
     status: Callable[..., None] = field(default=lambda *args, **kwargs: None)

@@ -54,7 +54,7 @@ def _resolve_spec(job: Any, spec: str) -> str:
 def _candidate_spec(ctx: StageContext, options: GateOptions) -> str:
     if options.candidate:
         return _resolve_spec(ctx.job, options.candidate)
-    from migrate.pipeline.runner import read_artifact
+    from migrate.pipeline.records import read_artifact
 
     artifact = ctx.upstream.get("resume") or read_artifact(ctx.job, "resume")
     if artifact is None or "metrics" not in artifact.outputs:

@@ -199,7 +199,7 @@ def _micro_batch(ctx: StageContext, options: TrainOptions) -> int:
     """The baseline's training micro batch; for the target, the job's target one or the search stage's choice."""
     if options.side == "baseline":
         return ctx.job.spec.training.micro_batch_size
-    from migrate.pipeline.runner import read_artifact
+    from migrate.pipeline.records import read_artifact
     from migrate.stages._target import target_micro_batch
 
     search = ctx.upstream.get("search") or read_artifact(ctx.job, "search")
@@ -210,7 +210,7 @@ def _layout(ctx: StageContext, options: TrainOptions) -> Any:
     """The source layout for the baseline; for the target, the job's layout or the search stage's choice."""
     if options.side == "baseline":
         return ctx.job.spec.source.layout.to_layout()
-    from migrate.pipeline.runner import read_artifact
+    from migrate.pipeline.records import read_artifact
     from migrate.stages._target import target_layout
 
     search = ctx.upstream.get("search") or read_artifact(ctx.job, "search")
@@ -231,7 +231,7 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
     run without ``target.layout`` on the search stage's result."""
     found: dict[str, Any] = {}
     if options.side == "target" and job.spec.target.layout is None:
-        from migrate.pipeline.runner import read_artifact
+        from migrate.pipeline.records import read_artifact
 
         search = read_artifact(job, "search")
         found["search"] = search.result_digest if search is not None else None

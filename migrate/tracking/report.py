@@ -7,9 +7,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from migrate.pipeline.records import write_text_atomic
+
 if TYPE_CHECKING:
-    from migrate.job.load import Job
-    from migrate.pipeline.runner import StageRecord
+    from migrate.job.job import Job
+    from migrate.pipeline.records import StageRecord
 
 _STATUS_MARK = {"succeeded": "ok", "skipped": "ok (unchanged)", "failed": "FAILED", "blocked": "blocked"}
 
@@ -83,7 +85,6 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
 
 def write_job_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> Path:
     """Write ``summary.md`` and ``summary.json`` into the job's work dir; return the Markdown path."""
-    from migrate.pipeline.runner import write_text_atomic
 
     md_path = job.work_dir / "summary.md"
     write_text_atomic(md_path, render_summary(job, records, wandb_dir=wandb_dir))
