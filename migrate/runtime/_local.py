@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, pack_call, setup_rank, teardown_rank
-from migrate.runtime.worker_group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
 
 # After one rank fails the others are usually blocked in a collective with it:
 # wait this long for their own answers before stopping them.

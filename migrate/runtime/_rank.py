@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from migrate.runtime.worker_group import RankContext, WorkerGroupSpec
+from migrate.runtime.group import RankContext, WorkerGroupSpec
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from migrate.runtime._local import FAILURE_GRACE_S
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, node_address, pack_call, setup_rank, teardown_rank
-from migrate.runtime.worker_group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
 
 _CLOSE_WAIT_S = 5.0
 # A rank that lost a peer raises at once (Gloo/NCCL/HCCL), while Ray reports the peer's death a moment later:
