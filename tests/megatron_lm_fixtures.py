@@ -26,7 +26,7 @@ A legacy checkpoint is loaded by `load_checkpoint`'s LEGACY branch (this rank's 
 `load_parameter_state(distrib_optim.pt)`, RNG entry [0]). `megatron_logits` is Megatron-Core's own forward on a
 checkpoint's weights, the reference an HF conversion's logits are judged by.
 On CPUs without Apex/TE the built-in engine's load workarounds for 0.16.1's optimizer are applied (see
-`migrate.workload.megatron_engine`).
+`migrate.workload.megatron.engine`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from migrate.workload.megatron_engine import _build_chunks, seed_host_rng, transformer_config
+    from migrate.workload.megatron.engine import _build_chunks, transformer_config
+    from migrate.workload.megatron.state import seed_host_rng
 
     spec = run.spec()
     ps.initialize_model_parallel(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
@@ -257,7 +258,7 @@ def _legacy_rank_dir(path: str) -> str:
     """`get_checkpoint_name`'s directory for this rank: mp_rank_TT[_PPP][_EEE]."""
     from megatron.core import parallel_state as ps
 
-    from migrate.workload.megatron_legacy import rank_dir_name
+    from migrate.workload.megatron.legacy_format import rank_dir_name
 
     return os.path.join(path, rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(),
                                             pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -327,7 +328,7 @@ def _rank_save(ctx: Any, run: MegatronLMRun, save_dir: str) -> dict[str, Any]:
 
     from migrate.device.cpu_adapter import cpu_device_adapter
     from migrate.workload.data import SamplerState
-    from migrate.workload.megatron_engine import _loop
+    from migrate.workload.megatron.engine import _loop
 
     torch.set_num_threads(1)
     with cpu_device_adapter():
@@ -383,8 +384,8 @@ def _rank_load_legacy(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> 
 
     from checkpoint.state.rng import fingerprint, from_megatron
     from migrate.device.cpu_adapter import cpu_device_adapter
-    from migrate.workload.megatron_engine import (_keep_step_on_fully_reshardable_load, _restore_adam_steps,
-                                                  _restore_rng, rank_rng_state, saved_adam_steps)
+    from migrate.workload.megatron.state import (keep_step_on_fully_reshardable_load, rank_rng_state,
+                                                 restore_adam_steps, restore_rng, saved_adam_steps)
 
     torch.set_num_threads(1)
     with cpu_device_adapter():
@@ -406,12 +407,12 @@ def _rank_load_legacy(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> 
             with torch.no_grad():
                 optimizer.load_state_dict(state["optimizer"])
                 if run.distributed_optimizer:
-                    _keep_step_on_fully_reshardable_load(optimizer)
+                    keep_step_on_fully_reshardable_load(optimizer)
                     optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
             if steps:
-                _restore_adam_steps(optimizer, max(steps))
+                restore_adam_steps(optimizer, max(steps))
             scheduler.load_state_dict(state["opt_param_scheduler"])
-            _restore_rng(state["rng_state"], rank_dir, "cuda")
+            restore_rng(state["rng_state"], rank_dir, "cuda")
             _save_reference(chunks, optimizer, out)
             return {"iteration": int(state["iteration"]), "tracker_iteration": tracker_iteration,
                     "consumed_train_samples": getattr(ckpt_args, "consumed_train_samples", 0),
@@ -435,9 +436,8 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
 
     from checkpoint.state.rng import fingerprint, from_megatron
     from migrate.device.cpu_adapter import cpu_device_adapter
-    from migrate.workload.megatron_engine import (_keep_step_on_fully_reshardable_load, _prime_adam_state,
-                                                  _restore_adam_steps, _restore_rng, rank_rng_state,
-                                                  saved_adam_steps)
+    from migrate.workload.megatron.state import (keep_step_on_fully_reshardable_load, prime_adam_state,
+                                                 rank_rng_state, restore_adam_steps, restore_rng, saved_adam_steps)
 
     torch.set_num_threads(1)
     with cpu_device_adapter():
@@ -458,7 +458,7 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
             args = megatron_lm_args(run, iteration=0)
             _check_checkpoint_args(ckpt_args, args)
             md = {**content, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-            _prime_adam_state(optimizer)
+            prime_adam_state(optimizer)
             template = _state_dict(args, chunks, optimizer, scheduler, md, iteration=0,
                                    rng=_rng_state() if load_rng else None, loading=True)
             template.pop("args")
@@ -470,15 +470,15 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
                     chunk.load_state_dict(loaded[f"model{i}"], strict=True)
             steps = saved_adam_steps(loaded["optimizer"])
             if sharding == "fully_reshardable":
-                _keep_step_on_fully_reshardable_load(optimizer)
+                keep_step_on_fully_reshardable_load(optimizer)
             with torch.no_grad():
                 optimizer.load_state_dict(loaded["optimizer"])
             if steps:
-                _restore_adam_steps(optimizer, max(steps))
+                restore_adam_steps(optimizer, max(steps))
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
             restored = None
             if load_rng:
-                _restore_rng(loaded["rng_state"], path, "cuda")
+                restore_rng(loaded["rng_state"], path, "cuda")
                 restored = fingerprint(from_megatron(rank_rng_state("cuda")))
             _save_reference(chunks, optimizer, out)
             return {"iteration": int(loaded["iteration"]), "tracker_iteration": tracker_iteration,

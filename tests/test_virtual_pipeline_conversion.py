@@ -1,6 +1,6 @@
 """A virtual-pipeline run moved to a plain pipeline (and back) continues the same loss curve: the vPP
 chunks' layers land where Megatron-Core executes them, and the interleaved schedule computes the same
-model as the 1F1B one (on Gloo only with one point-to-point op at a time: see megatron_engine)."""
+model as the 1F1B one (on Gloo only with one point-to-point op at a time: see migrate.workload.megatron.engine)."""
 
 from __future__ import annotations
 

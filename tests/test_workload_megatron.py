@@ -6,7 +6,8 @@ import os
 import pytest
 
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
-from migrate.workload.megatron_engine import check_sequence_parallel, resolve_load_dir, saved_adam_steps, transformer_config
+from migrate.workload.megatron.engine import check_sequence_parallel, transformer_config
+from migrate.workload.megatron.state import resolve_load_dir, saved_adam_steps
 from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
 
 

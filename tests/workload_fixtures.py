@@ -86,7 +86,7 @@ def megatron_legacy_checkpoint(tmp_path_factory):
     step 2 (`.path` is `iter_0000002`) and at 4, so `.losses[2:]` are the uninterrupted steps 3-4 a resume must repeat.
     Import it by name in the test module (tests/conftest.py imports the older fixtures only)."""
     from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
-    from migrate.workload.megatron_engine import iteration_dir
+    from migrate.workload.megatron.state import iteration_dir
     from migrate.workload.model_spec import RunSpec, TrainSpec
 
     cache: dict[tuple, TrainedCheckpoint] = {}

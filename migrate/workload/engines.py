@@ -8,7 +8,7 @@ from migrate.workload.metrics import RankResult
 
 _ENGINE_MODULES = {
     "deepspeed": ("deepspeed", "migrate.workload.deepspeed_engine"),
-    "megatron": ("megatron.core", "migrate.workload.megatron_engine"),
+    "megatron": ("megatron.core", "migrate.workload.megatron.engine"),
     "fsdp": ("torch.distributed.checkpoint", "migrate.workload.fsdp_engine"),
 }
 
@@ -24,7 +24,7 @@ def rank_entry(engine: str) -> Callable[[Any, Any], RankResult]:
         from migrate.workload.deepspeed_engine import train_deepspeed
         return train_deepspeed
     if engine == "megatron":
-        from migrate.workload.megatron_engine import train_megatron
+        from migrate.workload.megatron.engine import train_megatron
         return train_megatron
     if engine == "fsdp":
         from migrate.workload.fsdp_engine import train_fsdp

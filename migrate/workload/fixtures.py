@@ -65,7 +65,7 @@ def make_megatron_checkpoint(directory: str | os.PathLike, *, tp: int = 1, pp: i
                              dtype: str = "fp32", global_batch_size: int = 8) -> TrainedCheckpoint:
     """Train `steps` Megatron-Core steps at tp x pp x dp (ep divides dp; `moe` uses TINY_MIXTRAL) with
     the DistributedOptimizer and save a torch_dist checkpoint; `.path` is `<directory>/iter_<steps>`."""
-    from migrate.workload.megatron_engine import iteration_dir
+    from migrate.workload.megatron.state import iteration_dir
 
     spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=steps, tp=tp, pp=pp, ep=ep,
                    distributed_optimizer=distributed_optimizer, save_dir=str(directory),

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from migrate.workload.data import SamplerState
-from migrate.workload.megatron_engine import TRACKER_FILE
+from migrate.workload.megatron.state import (TRACKER_FILE, check_data_position, gathered_rng, iteration_dir,
+                                             keep_step_on_fully_reshardable_load, restore_adam_steps, restore_rng,
+                                             saved_adam_steps, write_tracker)
 from migrate.workload.model_spec import ModelSpec
 
 MODEL_FILE = "model_optim_rng.pt"
@@ -100,10 +102,9 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
                            device_type: str = "cpu") -> str:
     """Write `iter_<step>/mp_rank_*/model_optim_rng.pt` (+ `distrib_optim.pt`) as Megatron-LM's
     `save_checkpoint` does for `--ckpt-format torch`, and update the tracker file (collective).
-    Same signature as `megatron_engine.save_checkpoint`; returns the iteration directory."""
+    Same signature as `dist_format.save_checkpoint`; returns the iteration directory."""
     from megatron.core import parallel_state as ps
 
-    from migrate.workload.megatron_engine import _gathered_rng, iteration_dir, write_tracker
 
     if model is None:
         raise ValueError("save_legacy_checkpoint needs the model spec (converters read the architecture from it)")
@@ -115,7 +116,7 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
     rank_dir = os.path.join(path, rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(),
                                                 pp_rank=ps.get_pipeline_model_parallel_rank(),
                                                 ep_rank=ps.get_expert_model_parallel_rank(), pp=pp, ep=ep))
-    rng = _gathered_rng(device_type)
+    rng = gathered_rng(device_type)
     consumed: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(consumed, (dp_rank, sampler.consumed_samples))
     by_dp = dict(sorted(set(consumed)))
@@ -192,8 +193,6 @@ def load_legacy_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, 
 
     from checkpoint import safe_load
     from checkpoint.errors import CheckpointError
-    from migrate.workload.megatron_engine import (_check_data_position, _keep_step_on_fully_reshardable_load,
-                                                  _restore_adam_steps, _restore_rng, saved_adam_steps)
 
     model_file, optim_file = rank_files(load_dir)
     distributed = any(hasattr(o, "load_parameter_state_from_dp_zero")
@@ -230,10 +229,10 @@ def load_legacy_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, 
     with torch.no_grad():  # fp32 main params are views of the model's leaf params
         optimizer.load_state_dict(state["optimizer"])
         if distributed:
-            _keep_step_on_fully_reshardable_load(optimizer)  # 0.16.1 without Apex/TE: keep `step` on the dp_zero load
+            keep_step_on_fully_reshardable_load(optimizer)  # 0.16.1 without Apex/TE: keep `step` on the dp_zero load
             optimizer.load_parameter_state(str(optim_file))
     if steps:
-        _restore_adam_steps(optimizer, steps.pop())
+        restore_adam_steps(optimizer, steps.pop())
     ours = state.get("migrate") or {}
     if "sampler" not in ours:
         raise RuntimeError(f"{model_file}: no migrate.sampler entry; the data position is unknown")
@@ -243,7 +242,7 @@ def load_legacy_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, 
     if saved.global_batch_size != sampler.global_batch_size:
         raise ValueError(f"{model_file}: saved global_batch_size({saved.global_batch_size}) != run's "
                          f"({sampler.global_batch_size}); the global sample order would change")
-    _check_data_position(ours, saved, str(model_file))
+    check_data_position(ours, saved, str(model_file))
     if state.get("rng_state"):
-        _restore_rng(state["rng_state"], f"{model_file} (rng_state)", device_type)
+        restore_rng(state["rng_state"], f"{model_file} (rng_state)", device_type)
     return int(ours["step"]), saved

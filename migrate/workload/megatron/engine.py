@@ -1,0 +1,276 @@
+"""The built-in decoder as Megatron-Core's GPTModel: TP, PP (virtual stages), EP, sequence
+parallel, trained by Megatron-Core's DDP + DistributedOptimizer (or its plain optimizer),
+checkpointed in Megatron-Core's dist format (torch_dist) with the optimizer state.
+
+Call sequence per rank (`train_megatron(ctx, spec)` on every rank of a worker group):
+initialize model parallel -> seed the RNG tracker -> build one GPTModel chunk per virtual
+stage -> wrap in DDP -> `get_megatron_optimizer` -> optional `dist_checkpointing.load` ->
+steps through `get_forward_backward_func()` (1F1B / interleaved when pp > 1) -> save
+`<save_dir>/iter_<NNNNNNN>/` and `latest_checkpointed_iteration.txt` (Megatron-LM's layout).
+On CPUs it runs inside `migrate.device.cpu_device_adapter()`.
+
+The checkpoint holds `model` (`model0`, `model1`, ... with virtual stages), `optimizer`
+(sharding type `distrib_optim_sharding_type`, default 'dp_reshardable'; 0.16.1's default
+fails on save), `iteration`, `checkpoint_version`, `rng_state` (every rank's RNG as Megatron-LM saves
+it) and `migrate` (sampler state, step, data position, consumed tokens, model spec).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
+from migrate.workload.long_run import StepProbe
+from migrate.workload.megatron import dist_format, legacy_format
+from migrate.workload.megatron.state import rng_fingerprint, seed_host_rng
+from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
+from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
+from migrate.workload.train_state import StepTrace
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFormat:
+    """How the engine saves and loads one of Megatron-LM's checkpoint formats (the same signatures)."""
+
+    save: Any
+    load: Any
+
+
+CHECKPOINT_FORMATS = {
+    "torch_dist": CheckpointFormat(save=dist_format.save_checkpoint, load=dist_format.load_checkpoint),
+    "torch": CheckpointFormat(save=legacy_format.save_legacy_checkpoint, load=legacy_format.load_legacy_checkpoint),
+}
+"""`--ckpt-format` -> the engine's save and load (`RunSpec.checkpoint_format`)."""
+
+
+def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
+    """Megatron-Core TransformerConfig of the run (dropout off, no fused kernels, CPU init)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+    moe = {}
+    if model.is_moe:
+        moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_top_k,
+                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+                   moe_router_load_balancing_type="none", moe_permute_fusion=False)
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim, normalization="RMSNorm" if model.gated_ffn else "LayerNorm",
+        layernorm_epsilon=model.norm_eps, gated_linear_unit=model.gated_ffn,
+        activation_func=F.silu if model.gated_ffn else F.gelu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        expert_model_parallel_size=spec.ep, sequence_parallel=spec.sequence_parallel and spec.tp > 1,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, **moe)
+
+def _build_chunks(model: ModelSpec, spec: RunSpec, config: Any) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from migrate.workload.megatron_norm import gpt_block_spec
+
+    chunks = []
+    for vp_stage in range(spec.vpp):
+        stage = vp_stage if spec.vpp > 1 else None
+        # Local-spec layers whose norms are torch norms marked for sequence parallel (megatron_norm.py).
+        block_spec = gpt_block_spec(config, num_experts=model.num_experts if model.is_moe else None,
+                                    normalization="RMSNorm" if model.gated_ffn else "LayerNorm", vp_stage=stage)
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size(spec.tp),
+            max_sequence_length=model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=model.tied_embeddings, position_embedding_type="rope",
+            rotary_base=int(model.rotary_base), vp_stage=stage))
+    return chunks
+
+def _loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+def _forward_step(data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _loss_func
+
+def _micro_batches(dataset: TokenDataset, indices: list) -> list[dict]:
+    out = []
+    for mb in indices:
+        tokens, labels = dataset.batch(mb)
+        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
+        out.append({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+    return out
+
+@dataclasses.dataclass
+class _RngTrace(StepTrace):
+    """StepTrace whose per-step RNG fingerprint includes the device generator and the tracker streams."""
+
+    device_type: str = "cpu"
+
+    def record(self, global_indices: Any) -> None:
+        if not self.enabled:
+            return
+        self.samples.append([int(i) for i in global_indices])
+        self.rng.append(rng_fingerprint(self.device_type))
+
+def check_sequence_parallel(spec: RunSpec, device_type: str) -> None:
+    """Check a sequence-parallel layout before Megatron-Core is started, on any device.
+
+    Sequence parallel runs on the CPU too: the norms are torch norms marked for it
+    (`megatron_norm.SequenceParallelTorchNorm`; 0.16.1's own torch fallback asserts it off).
+    It needs tp > 1 and a sequence length tp divides (Gloo refuses uneven all-gathers);
+    Megatron-Core wants it whenever experts are split at tp > 1, so MoE at ep > 1 and tp > 1
+    without it is refused here rather than warned about.
+    """
+    if spec.sequence_parallel and spec.tp > 1 and spec.model.seq_length % spec.tp:
+        raise ValueError(f"sequence_parallel: tp({spec.tp}) does not divide model.seq_length({spec.model.seq_length}) "
+                         f"(device {device_type})")
+    if spec.model.is_moe and spec.ep > 1 and spec.tp > 1 and not spec.sequence_parallel:
+        raise ValueError(f"MoE with ep({spec.ep}) and tp({spec.tp}) needs sequence_parallel "
+                         "(Megatron-Core's alltoall dispatcher expects sequence-parallel tokens)")
+
+def train_megatron(ctx: Any, spec: RunSpec) -> RankResult:
+    """Per-rank entry point (`ctx` is the worker group's RankContext): train, checkpoint, report."""
+    if spec.engine != "megatron":
+        raise ValueError(f"train_megatron got a RunSpec for engine {spec.engine!r}")
+    spec.data_parallel_size(ctx.world_size)
+    check_sequence_parallel(spec, ctx.device_type)
+    torch.set_num_threads(1)
+    adapter: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if ctx.device_type == "cpu":
+        from migrate.device.cpu_adapter import cpu_device_adapter
+        adapter = cpu_device_adapter()
+    with adapter:
+        return _train(ctx, spec)
+
+def _train(ctx: Any, spec: RunSpec) -> RankResult:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    train, model_spec = spec.train, spec.model
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        expert_model_parallel_size=spec.ep)
+    try:
+        seed_host_rng(train.seed)
+        model_parallel_cuda_manual_seed(train.seed)
+        config = transformer_config(model_spec, spec, ctx.world_size)
+        if ctx.backend == "gloo":
+            # Gloo matches point-to-point messages between two ranks by tag only: in a batch_isend_irecv of
+            # the interleaved (virtual pipeline) schedule, a forward activation and a backward gradient of
+            # the same shape can be swapped, which corrupts later micro-batches silently. One op at a time.
+            config.batch_p2p_comm = False
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=spec.distributed_optimizer)
+        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+                  for chunk in _build_chunks(model_spec, spec, config)]
+        opt = train.optimizer
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.beta1, adam_beta2=opt.beta2,
+            adam_eps=opt.eps, clip_grad=opt.clip_grad, bf16=train.precision == "bf16",
+            params_dtype=config.params_dtype, use_distributed_optimizer=spec.distributed_optimizer), chunks)
+        config.finalize_model_grads_func = finalize_model_grads
+        sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size,
+                               global_batch_size=train.global_batch_size)
+        start_step = 0
+        if spec.load_dir:
+            load = CHECKPOINT_FORMATS["torch" if legacy_format.is_legacy_checkpoint(spec.load_dir)  # mp_rank_* dirs
+                                      else "torch_dist"].load
+            start_step, sampler = load(chunks, optimizer, sampler, spec.load_dir, device_type=ctx.device_type)
+        loaded = None
+        if spec.load_dir and spec.print_loaded_state:
+            from migrate.workload.state_print import megatron_state_print
+
+            loaded = megatron_state_print(chunks, optimizer, vocab_size=model_spec.vocab_size,
+                                          distributed_optimizer=spec.distributed_optimizer,
+                                          values={"iteration": start_step, "data": sampler.state_dict()}).as_dict()
+        return _loop(ctx, spec, chunks, optimizer, sampler, start_step, get_forward_backward_func(), loaded)
+    finally:
+        ps.destroy_model_parallel()
+
+def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: SamplerState, start_step: int,
+          forward_backward: Any, state_print: dict | None = None) -> RankResult:
+    from megatron.core import parallel_state as ps
+
+    train, model_spec = spec.train, spec.model
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    num_micro = train.grad_accumulation(dp)
+    dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
+                           vocab_size=model_spec.vocab_size)
+    device = "cpu" if ctx.device_type == "cpu" else ctx.device
+    log = MetricsLog(spec.metrics_path, enabled=ctx.rank == 0)
+    metrics: list[StepMetrics] = []
+    checkpoints: list[str] = []
+    stopped = None
+    trace = _RngTrace(device_type=ctx.device_type, enabled=spec.long_run is None)
+    probe = StepProbe(ctx, spec.long_run, device)
+    try:
+        for step in range(start_step, spec.steps):
+            began = time.perf_counter()
+            probe.before_step(step + 1)
+            lr = lr_at(train.lr_schedule, train.optimizer.lr, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            global_indices = global_batch_indices(sampler)
+            trace.record(global_indices)
+            batches = _micro_batches(dataset, rank_micro_batches(global_indices, dp_rank, dp, train.micro_batch_size))
+            if device != "cpu":
+                batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            iterators = [iter(batches) for _ in chunks]
+            losses = forward_backward(
+                forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
+                seq_length=model_spec.seq_length, micro_batch_size=train.micro_batch_size, forward_only=False)
+            updated, grad_norm, _ = optimizer.step()
+            # Every rank of the last pipeline stage holds its DP shard's losses; average them all.
+            summed = torch.zeros(2, dtype=torch.float64)
+            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                summed[0] = sum(float(item["lm loss"]) for item in losses)
+                summed[1] = len(losses)
+            dist.all_reduce(summed)
+            sampler = sampler.advance()
+            record = StepMetrics(
+                step=step + 1, loss=float(summed[0] / summed[1]),
+                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
+                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
+            metrics.append(record)
+            message = log.write(record)
+            probe.after_step(record, skipped=not updated)
+            if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
+                save = CHECKPOINT_FORMATS[spec.checkpoint_format].save
+                checkpoints.append(save(chunks, optimizer, step + 1, sampler, spec.save_dir,
+                                                   model=model_spec, micro_batch_size=train.micro_batch_size,
+                                                   device_type=ctx.device_type))
+                probe.saved(step + 1, checkpoints[-1])
+            if message and spec.stop_on_nonfinite:
+                stopped = message
+                break
+            if probe.out_of_time():
+                break
+    finally:
+        log.close()
+        probe.close()
+    return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
+                      checkpoints=tuple(checkpoints), stopped=stopped,
+                      extra=trace.extra(tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, dp=dp,
+                                        distributed_optimizer=spec.distributed_optimizer, state_print=state_print))
