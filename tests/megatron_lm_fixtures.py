@@ -258,9 +258,9 @@ def _legacy_rank_dir(path: str) -> str:
     """`get_checkpoint_name`'s directory for this rank: mp_rank_TT[_PPP][_EEE]."""
     from megatron.core import parallel_state as ps
 
-    from migrate.workload.megatron.legacy_format import rank_dir_name
+    from checkpoint.formats.megatron_paths import rank_dir
 
-    return os.path.join(path, rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(),
+    return os.path.join(path, rank_dir(tp_rank=ps.get_tensor_model_parallel_rank(),
                                             pp_rank=ps.get_pipeline_model_parallel_rank(),
                                             ep_rank=ps.get_expert_model_parallel_rank(),
                                             pp=ps.get_pipeline_model_parallel_world_size(),

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from checkpoint.api import convert, detect_format, read_index
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.formats.megatron_legacy import RANK_DIR_RE, rank_dir
+from checkpoint.formats.megatron_paths import RANK_DIR_RE, rank_dir
 from checkpoint.index import Kind, TensorKey
 from checkpoint.materialize import iter_tensors
 from checkpoint.state.training_state import STATE_REPORT_FILE

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from checkpoint import safe_load
+from checkpoint.formats.megatron_paths import TRACKER_FILE, iteration_dir_name
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError, UntrustedCheckpointError
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
@@ -65,9 +66,6 @@ _RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PARAM_ALIGN = 64  # Megatron-Core pads each param start in a grad buffer to 64 elements
 
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker beside the iter_* directories
-
-
 def tracker_iteration_dir(path: Path) -> Path:
     """The `iter_*` (or `release`) directory that `path/latest_checkpointed_iteration.txt` names, as
     Megatron-LM's `read_metadata` reads it: an iteration number or `release`; anything else raises
@@ -83,11 +81,6 @@ def tracker_iteration_dir(path: Path) -> Path:
         raise CheckpointFormatError(f"{tracker}: holds {text!r}; Megatron-LM's tracker holds an iteration number "
                                     f"or 'release'")
     return path / iteration_dir_name(int(text))
-
-
-def iteration_dir_name(iteration: int) -> str:
-    """Megatron-LM's directory name for a checkpoint of `iteration` (`get_checkpoint_name`)."""
-    return f"iter_{int(iteration):07d}"
 
 
 def tracker_text(common: Mapping[str, Any]) -> str:

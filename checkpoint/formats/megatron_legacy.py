@@ -45,13 +45,11 @@ from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.rules.megatron import ArchSpec, canonical_tensors, expert_range, stage_layers
 from checkpoint.formats.megatron_args import args_summary, as_mapping
+from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
 from checkpoint.state.training_state import STATE_REPORT_FILE
 
 FORMAT = LEGACY_FORMAT
-MODEL_FILE = "model_optim_rng.pt"
-OPTIM_FILE = "distrib_optim.pt"
-RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
 _EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -63,11 +61,6 @@ def _untied(arch: ArchSpec, where: str) -> ArchSpec:
         raise CheckpointFormatError(f"{where}: tied input/output embeddings (tied_embeddings=True) are not supported "
                                     f"by the legacy Megatron format; convert through torch_dist (format 'megatron')")
     return arch
-
-
-def rank_dir(*, tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
-    """Megatron-LM's per-rank directory: `mp_rank_XX`, `_YYY` when pp > 1, `_EEE` when ep > 1."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def is_legacy_checkpoint(path: str | Path) -> bool:

@@ -49,6 +49,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.formats.megatron_paths import OPTIM_FILE
 from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
@@ -500,14 +501,14 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
     `swap_glu_halves` edits the model's weights and, with the distributed optimizer, the gate and up ranges
     of its flat buffers (which the load copies into the weights); `swap_qkv_kv` is refused there;
     `swap_partitions` exchanges the first two rank directories' optimizer files."""
-    from checkpoint.formats.megatron_legacy import MODEL_FILE, RANK_DIR_RE
+    from checkpoint.formats.megatron_paths import MODEL_FILE, RANK_DIR_RE
     from checkpoint.state.rng import from_megatron, to_megatron
 
     if fault == "reset_lr":
         raise CheckpointFormatError(f"{root}: fault reset_lr does not apply to a Megatron checkpoint (its LR is a "
                                     f"function of the iteration)")
     ranks = sorted(p for p in root.iterdir() if RANK_DIR_RE.match(p.name) and (p / MODEL_FILE).is_file())
-    optim_files = [p / "distrib_optim.pt" for p in ranks if (p / "distrib_optim.pt").is_file()]
+    optim_files = [p / OPTIM_FILE for p in ranks if (p / OPTIM_FILE).is_file()]
     if fault == "swap_qkv_kv" and optim_files:
         raise CheckpointFormatError(f"{root}: swap_qkv_kv on legacy files needs them without distrib_optim.pt "
                                     f"(with it, the load takes the weights from its flat fp32 buffers, where K "

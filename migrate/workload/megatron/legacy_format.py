@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -29,32 +28,19 @@ import torch
 import torch.distributed as dist
 
 from migrate.workload.data import SamplerState
-from migrate.workload.megatron.state import (TRACKER_FILE, check_data_position, gathered_rng, iteration_dir,
+from checkpoint.formats.megatron_paths import (MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, TRACKER_FILE, iteration_dir_name,
+                                              rank_dir)
+from migrate.workload.megatron.state import (check_data_position, gathered_rng, iteration_dir,
                                              keep_step_on_fully_reshardable_load, restore_adam_steps, restore_rng,
                                              saved_adam_steps, write_tracker)
 from migrate.workload.model_spec import ModelSpec
-
-MODEL_FILE = "model_optim_rng.pt"
-OPTIM_FILE = "distrib_optim.pt"
-RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-
-
-def rank_dir_name(*, tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
-    """Megatron-LM's per-rank directory name: `mp_rank_XX`, `_YYY` when pp > 1, `_EEE` when ep > 1."""
-    name = f"mp_rank_{tp_rank:02d}"
-    if pp > 1:
-        name += f"_{pp_rank:03d}"
-    if ep > 1:
-        name += f"_{ep_rank:03d}"
-    return name
-
 
 def resolve_iteration(path: str | os.PathLike) -> Path:
     """An `iter_*` directory as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
     path = Path(path)
     tracker = path / TRACKER_FILE
     if tracker.is_file():
-        return path / f"iter_{int(tracker.read_text(encoding='utf-8').strip()):07d}"
+        return path / iteration_dir_name(int(tracker.read_text(encoding='utf-8').strip()))
     return path
 
 
@@ -113,21 +99,21 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     edp_rank = ps.get_expert_data_parallel_rank()
     path = iteration_dir(save_dir, step)
-    rank_dir = os.path.join(path, rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(),
-                                                pp_rank=ps.get_pipeline_model_parallel_rank(),
-                                                ep_rank=ps.get_expert_model_parallel_rank(), pp=pp, ep=ep))
+    rank_path = os.path.join(path, rank_dir(tp_rank=ps.get_tensor_model_parallel_rank(),
+                                            pp_rank=ps.get_pipeline_model_parallel_rank(),
+                                            ep_rank=ps.get_expert_model_parallel_rank(), pp=pp, ep=ep))
     rng = gathered_rng(device_type)
     consumed: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(consumed, (dp_rank, sampler.consumed_samples))
     by_dp = dict(sorted(set(consumed)))
     if sorted(by_dp) != list(range(dp)) or len(set(consumed)) != dp:
         raise RuntimeError(f"inconsistent data position at save: (dp rank, consumed samples) per rank {consumed}")
-    os.makedirs(rank_dir, exist_ok=True)
+    os.makedirs(rank_path, exist_ok=True)
     dist.barrier()
     distributed = hasattr(optimizer, "save_parameter_state") and any(
         hasattr(o, "get_parameter_state_dp_zero") for o in getattr(optimizer, "chained_optimizers", [optimizer]))
     if distributed:  # every rank takes part in the DP gather; DP rank 0 writes
-        optimizer.save_parameter_state(os.path.join(rank_dir, OPTIM_FILE))
+        optimizer.save_parameter_state(os.path.join(rank_path, OPTIM_FILE))
     if dp_rank == 0 or edp_rank == 0:
         params_dtype = next(chunks[0].module.parameters()).dtype
         ours: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step,
@@ -149,7 +135,7 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
         state["rng_state"] = rng
         state["num_floating_point_operations_so_far"] = 0
         state["migrate"] = ours
-        _save_atomic(state, os.path.join(rank_dir, MODEL_FILE))
+        _save_atomic(state, os.path.join(rank_path, MODEL_FILE))
     write_tracker(save_dir, step)
     return path
 
@@ -165,9 +151,9 @@ def rank_files(load_dir: str | os.PathLike) -> tuple[Path, Path]:
     from megatron.core import parallel_state as ps
 
     root = resolve_iteration(load_dir)
-    name = rank_dir_name(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                         ep_rank=ps.get_expert_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
-                         ep=ps.get_expert_model_parallel_world_size())
+    name = rank_dir(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                    ep_rank=ps.get_expert_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_world_size(),
+                    ep=ps.get_expert_model_parallel_world_size())
     return root / name / MODEL_FILE, root / name / OPTIM_FILE
 
 

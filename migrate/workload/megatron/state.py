@@ -9,14 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoint.formats.megatron_paths import TRACKER_FILE, iteration_dir_name
 from migrate.workload.data import SamplerState
 
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 def iteration_dir(save_dir: str, step: int) -> str:
     """Megatron-LM's checkpoint directory name for iteration `step`."""
-    return os.path.join(save_dir, f"iter_{step:07d}")
+    return os.path.join(save_dir, iteration_dir_name(step))
 
 def resolve_load_dir(path: str) -> str:
     """An `iter_*` dir as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
