@@ -60,9 +60,9 @@ def run_job(job: Job | str | Path, *, stages: Sequence[str] | None = None, force
             echo: Callable[[str], None] = lambda line: None) -> PipelineResult:
     """Run the job's stages (or ``stages``) in order on its target, with its tracking, skipping stages whose
     inputs are unchanged unless ``force``; ``echo`` receives the progress lines. Before anything runs, the
-    stages that would run are checked against the cluster (ClusterShortfall). Raises JobError for an invalid
-    job file and ValueError for stages the job does not list; a stage that fails is in the result, not
-    raised."""
+    stages that would run are checked against the cluster (ClusterShortfall; RayConnectionError when its Ray
+    cannot be reached). Raises JobError for an invalid job file and ValueError for stages the job does not
+    list; a stage that fails is in the result, not raised."""
     from migrate.pipeline.runner import run_pipeline
     from migrate.runtime.session import TargetRuntime
     from migrate.tracking.tracker import Tracker

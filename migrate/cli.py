@@ -11,14 +11,15 @@ from typing import Any
 import click
 
 from migrate import __version__
+from migrate.runtime.ray_cluster import RayConnectionError
 
 # Commands with a module of their own (migrate/commands/<name>.py exposing ``command``).
 _COMMAND_MODULES = ("validate", "run", "status", "inspect", "convert")
 
 
 class _Group(click.Group):
-    """The command group; a usage error (a bad option value, a missing argument) is one line on stderr,
-    naming the option and what was expected, with exit code 2."""
+    """The command group; a usage error (a bad option value, a missing argument) or a Ray cluster that cannot be
+    reached is one line on stderr, naming the option or the address and what was expected, with exit code 2."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -35,6 +36,10 @@ class _Group(click.Group):
         except click.Abort:
             click.echo("aborted", err=True)
             sys.exit(1)
+        except RayConnectionError as exc:  # the address of the job (target.ray.address) or of --ray-address
+            click.echo(f"error: {exc} (start the cluster, run from one of its nodes, or set the address: "
+                       f"target.ray.address in the job, --ray-address on the command line)", err=True)
+            sys.exit(2)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -101,3 +101,26 @@ def test_ops_on_a_device_this_machine_lacks_is_one_line(device, expected):
         pytest.skip("this torch has CUDA")
     result = CliRunner().invoke(command, ["--device", device, "--op", "gelu"])
     assert result.exit_code == 2 and result.output.strip() == expected
+
+
+def test_a_ray_cluster_that_cannot_be_reached_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """`target.ray.address: auto` on a machine outside any cluster: `run` and `run --dry-run` say which address
+    could not be joined and what to do, in one line, instead of a traceback."""
+    from click.testing import CliRunner
+
+    from migrate.cli import main
+    from migrate.runtime import session
+    from migrate.runtime.ray_cluster import RayConnectionError
+
+    def unreachable(address, **_):
+        raise RayConnectionError(f"could not join Ray at {address!r}: Could not find any running Ray instance.")
+
+    monkeypatch.setattr(session, "connect", unreachable)
+    path = _job(tmp_path, ray={"address": "auto"})
+    for argv in (["run", str(path)], ["run", str(path), "--dry-run"]):
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 2, result.output
+        line = next(line for line in result.output.splitlines() if line.startswith("error:"))
+        assert line.startswith("error: could not join Ray at 'auto': Could not find any running Ray instance.")
+        assert "target.ray.address in the job" in line and "Traceback" not in result.output
+    assert not (tmp_path / "work" / "preflight").exists()
