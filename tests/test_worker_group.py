@@ -56,6 +56,19 @@ def raise_on_rank(ctx, victim):
     return ctx.rank
 
 
+def start_a_helper_then_die(ctx, victim, folder):
+    """What a framework's saver does (a process of its own), then the rank dies, leaving the helper behind."""
+    import multiprocessing
+    from pathlib import Path
+
+    helper = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    helper.start()
+    (Path(folder) / f"helper-{helper.pid}").touch()
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return helper.pid
+
+
 def _assert_gone(pids, within_s=10.0):
     deadline = time.monotonic() + within_s
     alive = list(pids)
@@ -156,6 +169,19 @@ def test_local_mode_runs_the_same_rank_code_and_reports_a_killed_rank():
     assert [f.rank for f in info.value.failures if f.kind == "died"] == [1]
     assert "SIGKILL" in str(info.value)
     _assert_gone(pids)
+
+
+def test_processes_a_rank_started_die_with_the_group_also_when_the_rank_died_first(tmp_path):
+    group = start_worker_group(WorkerGroupSpec(world_size=2, mode="local", timeout_s=60))
+    try:
+        group.run(start_a_helper_then_die, -1, str(tmp_path))  # every rank starts a helper and stays
+        with pytest.raises(WorkerGroupError):
+            group.run(start_a_helper_then_die, 1, str(tmp_path), timeout_s=30)  # rank 1 starts another, dies
+        helpers = [int(p.name.removeprefix("helper-")) for p in tmp_path.glob("helper-*")]
+        assert len(helpers) == 4 and all(psutil.pid_exists(pid) for pid in helpers)
+    finally:
+        group.close()
+    _assert_gone(helpers)
 
 
 @pytest.mark.parametrize(

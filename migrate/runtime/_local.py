@@ -10,6 +10,7 @@ Modules asked for after the server started are imported by each rank itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -62,6 +63,10 @@ def _rank_main(ctx: RankContext, spec: WorkerGroupSpec, conn: Connection, enviro
     # A forked rank has the fork server's environment: give it the driver's, as spawn would.
     os.environ.clear()
     os.environ.update(environ)
+    # Its own process group, which the processes a framework starts (DCP and Megatron savers) join: the group
+    # is killed with the rank, also when the rank died first and left them behind (`_kill_all`).
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     try:
         setup_rank(ctx, spec)
     except BaseException:  # noqa: BLE001
@@ -221,8 +226,26 @@ class LocalWorkerGroup:
 
 
 def _kill_all(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Kill every rank still alive, then what is left of each rank's process group (see `_rank_main`)."""
     for proc in procs:
         if proc.is_alive():
             proc.kill()
     for proc in procs:
         proc.join(timeout=5)
+    for proc in procs:
+        if proc.pid is not None:
+            _kill_process_group(proc.pid)
+
+
+def _kill_process_group(pgid: int) -> None:
+    """SIGKILL the processes of group `pgid` that run this Python (a rank's leftovers); nothing else, should
+    the number have been reused by an unrelated group."""
+    import psutil
+
+    python = os.path.realpath(sys.executable)
+    for process in psutil.process_iter(["pid", "exe"]):
+        try:
+            if process.pid != os.getpid() and os.getpgid(process.pid) == pgid and process.info["exe"] == python:
+                process.kill()
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
