@@ -79,5 +79,4 @@ def run_job(job: Job | str | Path, *, stages: Sequence[str] | None = None, force
         stack.callback(tracker.close)
         result = run_pipeline(job, stages=stages, force=force, tracker=tracker, start_group=runtime.start_group,
                               echo=echo)
-        tracker.close()
         return dataclasses.replace(result, metrics_path=tracker.jsonl_path, wandb_dir=tracker.wandb_dir)

@@ -232,20 +232,18 @@ def _kill_all(procs: list[multiprocessing.process.BaseProcess]) -> None:
             proc.kill()
     for proc in procs:
         proc.join(timeout=5)
-    for proc in procs:
-        if proc.pid is not None:
-            _kill_process_group(proc.pid)
+    _kill_process_groups({proc.pid for proc in procs if proc.pid is not None})
 
 
-def _kill_process_group(pgid: int) -> None:
-    """SIGKILL the processes of group `pgid` that run this Python (a rank's leftovers); nothing else, should
-    the number have been reused by an unrelated group."""
+def _kill_process_groups(pgids: set[int]) -> None:
+    """SIGKILL the processes of the groups `pgids` that run this Python (the ranks' leftovers), in one pass over
+    the processes; nothing else, should a number have been reused by an unrelated group."""
     import psutil
 
     python = os.path.realpath(sys.executable)
     for process in psutil.process_iter(["pid", "exe"]):
         try:
-            if process.pid != os.getpid() and os.getpgid(process.pid) == pgid and process.info["exe"] == python:
+            if process.pid != os.getpid() and os.getpgid(process.pid) in pgids and process.info["exe"] == python:
                 process.kill()
         except (ProcessLookupError, psutil.Error, OSError):
             continue
