@@ -174,6 +174,11 @@ class _Sources:
         self.ranges: dict[tuple[str, int, int], torch.Tensor] = {}
         self.cache_bytes = cache_bytes
 
+    def close(self) -> None:
+        """Drop the loaded files and cached ranges (their mappings are released with them)."""
+        self.cache.clear()
+        self.ranges.clear()
+
     @staticmethod
     def mapped(key: KeyPath) -> bool:
         """Whether `tensor(file, key)` is a view of a memory-mapped torch file (pages can be released)."""
@@ -829,7 +834,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
             out.flush()
             crc = _fix_zip_crcs(out, tmp)
             os.fsync(out.fileno())
-        del sources
+        sources.close()
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as err:

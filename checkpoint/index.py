@@ -10,6 +10,7 @@ stored, starting at element `storage_offset` of the stored (flattened) tensor.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -21,7 +22,10 @@ KeyPath = tuple[str | int, ...]
 
 
 class Kind(StrEnum):
-    """What a logical tensor is for the training job."""
+    """The kinds of logical tensor the formats give a role: weights, fp32 masters and Adam's state.
+
+    Optimizer state is open data: any other kind is the name of a per-parameter state tensor as the optimizer
+    keeps it (SGD's and Muon's `momentum_buffer`, AdamW-amsgrad's `max_exp_avg_sq`, ...), see `state_kind`."""
 
     PARAM = "param"  # model weights (or buffers) in the model's dtype
     MASTER = "fp32_master"  # fp32 master copy of a parameter
@@ -30,12 +34,38 @@ class Kind(StrEnum):
     STEP = "step"  # optimizer step count of the parameter (a 0-d tensor)
 
 
+ADAM_KINDS = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP)
+_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def state_kind(name: str) -> Kind | str:
+    """The kind of a tensor named `name` in an optimizer's per-parameter state: a `Kind` for the names the
+    formats know (`exp_avg`, `step`, ...), else the name itself. Raises CheckpointFormatError for a name that
+    cannot be one (empty, dotted: state names are single identifiers in every optimizer's state dict)."""
+    if name in Kind._value2member_map_:
+        return Kind(name)
+    if not isinstance(name, str) or not _STATE_NAME.match(name):
+        raise CheckpointFormatError(f"optimizer state name {name!r} is not an identifier")
+    return name
+
+
+def is_optimizer_state(kind: Kind | str) -> bool:
+    """True for the optimizer's per-parameter state (Adam's moments and step, momentum buffers, ...), False for
+    weights and fp32 masters."""
+    return kind is not Kind.PARAM and kind is not Kind.MASTER
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)
 class TensorKey:
-    """Canonical name + kind of a logical tensor."""
+    """Canonical name + kind of a logical tensor; `kind` is a `Kind` or an optimizer state's own name
+    (normalized: a known name is always the `Kind` member, so keys compare and hash alike)."""
 
     name: str
-    kind: Kind
+    kind: Kind | str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", state_kind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.name}[{self.kind}]"

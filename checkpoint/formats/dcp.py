@@ -1,11 +1,12 @@
-"""PyTorch Distributed Checkpoint (DCP) as FSDP2/torchtitan write it: reader and writer, model + Adam state.
+"""PyTorch Distributed Checkpoint (DCP) as FSDP2/torchtitan write it: reader and writer, model + optimizer state.
 
 On-disk layout (torch 2.x `FileSystemWriter`, no storage transforms): `.metadata` (a pickled
 `Metadata`, unpickled here with DCP's metadata classes only: `safe_load.read_dcp_metadata`) and one
 `__<rank>_0.distcp` per rank holding, at byte ranges listed in `storage_data`, each chunk the
 rank saved (a `torch.save`d tensor) and each non-tensor value (a `torch.save`d object).
 State-dict layout (torchtitan / `get_model_state_dict` + `get_optimizer_state_dict`):
-`model.<param>`, `optimizer.state.<param>.{exp_avg,exp_avg_sq,step}`,
+`model.<param>`, `optimizer.state.<param>.<state>` (Adam's `exp_avg`, `exp_avg_sq`, `step`, or any other
+optimizer's per-parameter state: `momentum_buffer`, `max_exp_avg_sq`, ...),
 `optimizer.param_groups.<i>.<hparam>`, plus any other non-tensor values (`lr_scheduler.*`,
 `migrate.*`) which the writer carries over unchanged.
 
@@ -35,17 +36,18 @@ from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
                                      refuse_tied_embeddings)
-from checkpoint.formats.dcp_layout import DCPLayout, find_layout, optimizer_item, param_groups, param_name
-from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size
+from checkpoint.formats.dcp_layout import (DCPLayout, find_layout, optimizer_item, optimizer_roots, param_groups,
+                                           param_name)
+from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size,
+                              is_optimizer_state, state_kind)
 from checkpoint.paths import inside
+from checkpoint.state.optimizer_state import refuse_split_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, COUNTERS, STATE_REPORT_FILE, StateEntry,
                                              our_client_state, report_dict)
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 
 FORMAT = "dcp"
 METADATA = ".metadata"
-_OPTIM_KINDS = {"exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ, "step": Kind.STEP}
-_KIND_NAMES = {v: k for k, v in _OPTIM_KINDS.items()}
 
 
 def data_file(rank: int) -> str:
@@ -61,11 +63,11 @@ def fqn_path(key: TensorKey, layout: str = "nested") -> tuple[str, ...]:
     top level, the optimizer saved with flatten_optimizer_state_dict): (name,), ('optimizer', 'state.name.kind')."""
     if key.kind is Kind.PARAM:
         return (key.name,) if layout == "torchtitan" else ("model", key.name)
-    if key.kind in _KIND_NAMES:
-        kind = _KIND_NAMES[key.kind]
+    if is_optimizer_state(key.kind):
+        kind = str(key.kind)
         return ("optimizer", f"state.{key.name}.{kind}") if layout == "torchtitan" else (
             "optimizer", "state", key.name, kind)
-    raise PlanError(f"DCP has no place for tensor {key} (kinds written: param, exp_avg, exp_avg_sq, step)")
+    raise PlanError(f"DCP has no place for tensor {key} (kinds written: param and the optimizer's state)")
 
 
 def _fqn(path: Sequence[Any]) -> str:
@@ -147,7 +149,7 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
     list_positions = {paths[fqn]: path for fqn, path in typed.items()}
     tensor_bytes = {paths[fqn]: math.prod(item.size) * dtype_size(dtype_name(item.properties.dtype))
                     for fqn, item in md.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}
-    layout = find_layout(tensor_bytes, where=str(root))
+    layout = find_layout(tensor_bytes, where=str(root), roots=optimizer_roots(paths.values()))
     entries: list[TensorEntry] = []
     values: dict[tuple[Any, ...], Any] = {}
     for fqn, item in md.state_dict_metadata.items():
@@ -162,7 +164,7 @@ def read_dcp(path: str | Path, *, expect_dp: int | None = None, expect_tp: int |
         if not isinstance(item, TensorStorageMetadata):
             raise CheckpointFormatError(f"{root}: {fqn} has unknown metadata {type(item).__name__}")
         key = _tensor_key(layout, path_)
-        if key is None:  # neither model nor Adam state (torchtitan's train_state.step, ...): carried as a value
+        if key is None:  # neither model nor optimizer state (torchtitan's train_state.step, ...): carried as a value
             values[path_] = _small_tensor(root, fqn, item, storage, trust_checkpoint)
             continue
         chunks = []
@@ -197,7 +199,7 @@ def _small_tensor(root: Path, fqn: str, item: Any, storage: Mapping[Any, Any], t
     size = math.prod(item.size) * dtype_size(dtype_name(item.properties.dtype))
     if size > _SMALL_TENSOR or len(item.chunks) != 1:
         raise CheckpointFormatError(f"{root}: tensor {fqn} ({list(item.size)}, {len(item.chunks)} chunks) is neither "
-                                    f"a model parameter nor Adam state (exp_avg, exp_avg_sq, step) and too large to "
+                                    f"a model parameter nor optimizer state and too large to "
                                     f"carry as a value")
     info = storage.get((fqn, tuple(item.chunks[0].offsets)))
     if info is None:
@@ -206,12 +208,12 @@ def _small_tensor(root: Path, fqn: str, item: Any, storage: Mapping[Any, Any], t
 
 
 def _check_names(entries: Sequence[TensorEntry], root: Path) -> None:
-    """Every parameter with Adam state has a weight (the model and optimizer name the same parameters)."""
+    """Every parameter with optimizer state has a weight (the model and optimizer name the same parameters)."""
     params = {e.key.name for e in entries if e.key.kind is Kind.PARAM}
     orphans = sorted({e.key.name for e in entries if e.key.kind is not Kind.PARAM} - params)
     if orphans:
         close = difflib.get_close_matches(orphans[0], sorted(params), n=3)
-        raise CheckpointFormatError(f"{root}: Adam state for {orphans[:3]}{'...' if len(orphans) > 3 else ''} but no "
+        raise CheckpointFormatError(f"{root}: optimizer state for {orphans[:3]}{'...' if len(orphans) > 3 else ''} but no "
                                     f"model tensor of that name (closest: {close})")
 
 
@@ -231,10 +233,10 @@ def _saved_layout(entries: Sequence[TensorEntry], world: int, root: Path) -> tup
 
 
 def _tensor_key(layout: DCPLayout, path: tuple[str, ...]) -> TensorKey | None:
-    """The canonical key of the tensor at `path`: Adam state, a model parameter, or None (carried as a value)."""
-    item = optimizer_item(path)
-    if item is not None and layout.optimizer_root is not None:
-        return TensorKey(name=item[1], kind=_OPTIM_KINDS[item[2]])
+    """The canonical key of the tensor at `path`: optimizer state, a model parameter, or None (carried as a value)."""
+    item = optimizer_item(path, () if layout.optimizer_root is None else (layout.optimizer_root,))
+    if item is not None and layout.optimizer_root is not None and item[0] == layout.optimizer_root:
+        return TensorKey(name=item[1], kind=state_kind(item[2]))
     name = param_name(layout, path)
     return None if name is None else TensorKey(name=name, kind=Kind.PARAM)
 
@@ -311,13 +313,14 @@ def _values_from(index: CheckpointIndex, names: Sequence[str], layout: str = "ne
         if ts.get("lr_scheduler") is not None:
             values["lr_scheduler"] = ts["lr_scheduler"]
     ts = m.get("train_state") or {}
+    adam = any(e.key.kind is Kind.EXP_AVG for e in index.entries)
     groups = [dict(g) for g in ts.get("optimizer_param_groups") or [{}]]
     owners = ts.get("optimizer_group_params") or []
     if len(groups) == 1 or not owners:
         owners = [list(names)] + [[] for _ in groups[1:]]
     for g, own in zip(groups, owners):
         g.pop("params", None)
-        g.update(_torch_hparams(g))
+        g.update(_torch_hparams(g, adam))
         g["params"] = list(own)
     if layout != "torchtitan":
         values["optimizer"] = {"param_groups": groups}
@@ -339,8 +342,12 @@ def _bytes_io(value: Any) -> io.BytesIO:
     return buf
 
 
-def _torch_hparams(g: Mapping[str, Any]) -> dict[str, Any]:
-    """torch.optim.Adam/AdamW param-group fields DCP's optimizer loader expects (kept when present)."""
+def _torch_hparams(g: Mapping[str, Any], adam: bool) -> dict[str, Any]:
+    """torch.optim.Adam/AdamW param-group fields DCP's optimizer loader expects (kept when present) for an Adam
+    group (`adam`: the source holds Adam's moments, or the group its `betas`); another optimizer's group (SGD,
+    Muon, ...) as saved."""
+    if not adam and "betas" not in g:
+        return {}
     out = {"betas": tuple(g["betas"])} if isinstance(g.get("betas"), (list, tuple)) else {}
     # decoupled_weight_decay (torch >= 2.6 Adam/AdamW): absent in Megatron's train state, whose Adam decouples it
     for k, default in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
@@ -395,28 +402,32 @@ def state_report(source: CheckpointIndex, values: Mapping[str, Any], note: str |
 
 
 def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -> TargetSpec:
-    """The files and chunks of `source`'s model weights and Adam state as a DCP checkpoint saved by
-    `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). A source that keeps Adam's
-    step per param group (Megatron) gets torch Adam's per-parameter step (`adam_step.derived_step`), written
-    by rank 0's file."""
+    """The files and chunks of `source`'s model weights and optimizer state as a DCP checkpoint saved by
+    `world` ranks; params are written in fp32 (FSDP2 keeps fp32 sharded params). Every per-parameter optimizer
+    state tensor is written under its own name, split along dim 0 like its parameter; state of another shape
+    (factored) only at world 1, where FSDP2 keeps each parameter whole (`refuse_split_state`). A source that
+    keeps Adam's step per param group (Megatron) gets torch Adam's per-parameter step
+    (`adam_step.derived_step`), written by rank 0's file."""
     if world < 1:
         raise PlanError(f"DCP target needs world size >= 1, got {world}")
     if layout not in LAYOUTS:
         raise PlanError(f"--dcp-layout {layout!r}: known layouts are {', '.join(LAYOUTS)}")
     refuse_tied_embeddings(source, "dcp")
     refuse_frozen_params(source, "dcp")
+    if world > 1:
+        refuse_split_state(source, target="dcp", how=f"FSDP2 shards each parameter along dim 0 over {world} ranks")
     src = source.by_key()
+    state = {}
+    for e in source.entries:
+        if is_optimizer_state(e.key.kind):
+            state.setdefault(e.key.name, []).append(e)
     params = [e for e in source.entries if e.key.kind in (Kind.PARAM, Kind.MASTER)]
     names = list(dict.fromkeys(e.key.name for e in params))
     buffers: dict[str, list[TargetBuffer]] = {data_file(r): [] for r in range(world)}
     entries: list[TensorEntry] = []
     for name in names:
         shape = (src.get(TensorKey(name=name, kind=Kind.PARAM)) or src[TensorKey(name=name, kind=Kind.MASTER)]).shape
-        kinds = [(Kind.PARAM, shape, "float32")]
-        for kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP):
-            e = src.get(TensorKey(name=name, kind=kind))
-            if e is not None:
-                kinds.append((kind, e.shape, e.dtype))
+        kinds = [(Kind.PARAM, shape, "float32")] + [(e.key.kind, e.shape, e.dtype) for e in state.get(name, ())]
         for kind, shp, dt in kinds:
             key = TensorKey(name=name, kind=kind)
             fqn = _fqn(fqn_path(key, layout))

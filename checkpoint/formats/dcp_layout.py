@@ -5,9 +5,10 @@ Users save DCP state dicts under their own names: `{"model": ..., "optimizer": .
 `{"app": AppState}` (`app.model.*`, `app.optim.*`), torchtitan's CheckpointManager (model keys at the top level,
 the optimizer saved with `flatten_optimizer_state_dict=True`: `optimizer.state.<fqn>.exp_avg` as one key,
 `optimizer.param_groups.<fqn>.lr`, beside `lr_scheduler`, `dataloader`, `train_state`). Each stored item has a
-path (DCP's planner data). Adam state is recognised by its shape of path wherever it sits:
-`(*root, "state", <fqn>, exp_avg|exp_avg_sq|step)` nested, `(*root, "state.<fqn>.<kind>")` flattened; the
-optimizer root is where those sit. The model root is the one prefix under which the optimizer's parameter
+path (DCP's planner data). Optimizer state is recognised by its shape of path wherever it sits:
+`(*root, "state", <fqn>, <name>)` nested, `(*root, "state.<fqn>.<name>")` flattened, where `<name>` is Adam's
+`exp_avg|exp_avg_sq|step` or, beside a torch optimizer's `param_groups` under the same root, any state name
+(SGD's `momentum_buffer`, `max_exp_avg_sq`, ...); the optimizer root is where those sit. The model root is the one prefix under which the optimizer's parameter
 names are found (without optimizer state: the prefix holding the most tensor bytes). Every other item is
 carried as a value.
 """
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import CheckpointFormatError
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-_FLAT_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<kind>exp_avg|exp_avg_sq|step)$")
+_FLAT_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<kind>[A-Za-z_][A-Za-z0-9_]*)$")
+_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FLAT_GROUP = re.compile(r"^param_groups\.(?P<fqn>.+)\.(?P<field>[^.]+)$")
 
 
@@ -43,23 +45,39 @@ class DCPLayout:
         return f"model at {model}; optimizer at {optim} ({'flattened' if self.flat_optimizer else 'nested'})"
 
 
-def optimizer_item(path: Sequence[Any]) -> tuple[tuple[str, ...], str, str, bool] | None:
-    """(optimizer root, param fqn, Adam state name, flattened) when `path` is Adam state, else None."""
+def optimizer_roots(paths: Iterable[Sequence[Any]]) -> frozenset[tuple[str, ...]]:
+    """The prefixes under which a torch optimizer's `param_groups` are stored (nested `param_groups.<i>.<field>`
+    or flattened `param_groups.<fqn>.<field>`): where state of any name is optimizer state."""
+    roots = set()
+    for path in paths:
+        p = tuple(str(x) for x in path)
+        for i, part in enumerate(p):
+            if part == "param_groups" or part.startswith("param_groups."):
+                roots.add(p[:i])
+    return frozenset(roots)
+
+
+def optimizer_item(path: Sequence[Any], roots: Collection[tuple[str, ...]] = ()
+                   ) -> tuple[tuple[str, ...], str, str, bool] | None:
+    """(optimizer root, param fqn, state name, flattened) when `path` is optimizer state, else None: Adam's state
+    anywhere, a state of any other name under one of `roots` (`optimizer_roots`)."""
     p = tuple(str(x) for x in path)
-    if len(p) >= 3 and p[-1] in ADAM_STATE and p[-3] == "state":
+    if len(p) >= 3 and p[-3] == "state" and (p[-1] in ADAM_STATE or p[:-3] in roots) and _STATE_NAME.match(p[-1]):
         return p[:-3], p[-2], p[-1], False
-    if p and (m := _FLAT_STATE.match(p[-1])):
+    if p and (m := _FLAT_STATE.match(p[-1])) and (m["kind"] in ADAM_STATE or p[:-1] in roots):
         return p[:-1], m["fqn"], m["kind"], True
     return None
 
 
-def find_layout(tensors: Mapping[tuple[str, ...], int], *, where: str) -> DCPLayout:
-    """The layout of a checkpoint whose tensors are `tensors` (path -> bytes). Raises CheckpointFormatError
-    naming the roots when the Adam state sits under several, or when no prefix holds its parameters."""
-    optim = {path: item for path in tensors if (item := optimizer_item(path)) is not None}
+def find_layout(tensors: Mapping[tuple[str, ...], int], *, where: str,
+                roots: Collection[tuple[str, ...]] = ()) -> DCPLayout:
+    """The layout of a checkpoint whose tensors are `tensors` (path -> bytes), `roots` the prefixes holding an
+    optimizer's param groups (`optimizer_roots`). Raises CheckpointFormatError naming the roots when the
+    optimizer state sits under several, or when no prefix holds its parameters."""
+    optim = {path: item for path in tensors if (item := optimizer_item(path, roots)) is not None}
     roots = {item[0] for item in optim.values()}
     if len(roots) > 1:
-        raise CheckpointFormatError(f"{where}: Adam state under several roots {sorted('.'.join(r) for r in roots)}; "
+        raise CheckpointFormatError(f"{where}: optimizer state under several roots {sorted('.'.join(r) for r in roots)}; "
                                     f"one optimizer is read")
     others = [p for p in tensors if p not in optim]
     by_root: dict[tuple[str, ...], int] = {}

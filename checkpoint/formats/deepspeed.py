@@ -40,10 +40,12 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
                                      refuse_tied_embeddings, scalar)
 from checkpoint.formats.hf_trainer import (is_trainer_folder, new_trainer_state, read_trainer_files, trainer_files,
                                           trainer_rng)
-from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
+from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name,
+                              state_kind)
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import roles
+from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_entries
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
 
 FORMAT = "deepspeed"
@@ -342,7 +344,7 @@ def _check_rank_files_agree(optim: Sequence[Any], optim_paths: Sequence[Path], s
     """Every rank's optimizer file agrees on Adam's step per param group, the ZeRO stage, the partition
     counts and the DeepSpeed version, and (ZeRO-3) every rank's model file on the step counters and the DP
     size; a file saved at another step (e.g. copied in from an older save) is named."""
-    state_path = _optimizer_paths(stage, 0)[Kind.STEP][:-2]
+    state_path = _state_path(stage, 0)[:-1]
 
     def steps(r: int) -> dict[Any, Any]:
         st = _at(optim, r, state_path)
@@ -458,16 +460,20 @@ def _full_entry(key: TensorKey, file: str, path: KeyPath, t: torch.Tensor,
                        chunks=(ChunkRef(file=file, key=path, offsets=(0,) * len(shape), lengths=shape),))
 
 
-def _optimizer_paths(stage: int, group: int) -> dict[Kind, KeyPath]:
-    if stage == 3:
-        return {Kind.MASTER: (OSD, "fp32_flat_groups", group),
-                Kind.EXP_AVG: (OSD, OSD, "state", group, "exp_avg"),
-                Kind.EXP_AVG_SQ: (OSD, OSD, "state", group, "exp_avg_sq"),
-                Kind.STEP: (OSD, OSD, "state", group, "step")}
-    return {Kind.MASTER: (OSD, "single_partition_of_fp32_groups", group),
-            Kind.EXP_AVG: (OSD, "base_optimizer_state", "state", group, "exp_avg"),
-            Kind.EXP_AVG_SQ: (OSD, "base_optimizer_state", "state", group, "exp_avg_sq"),
-            Kind.STEP: (OSD, "base_optimizer_state", "state", group, "step")}
+def _master_path(stage: int, group: int) -> KeyPath:
+    """Where flat group `group`'s fp32 master partition sits in a rank's optimizer file."""
+    return (OSD, "fp32_flat_groups", group) if stage == 3 else (OSD, "single_partition_of_fp32_groups", group)
+
+
+def _state_path(stage: int, group: int, name: Kind | str | None = None) -> KeyPath:
+    """Where the wrapped torch optimizer keeps flat group `group`'s state (`name`: one state tensor of it)."""
+    root = (OSD, OSD, "state", group) if stage == 3 else (OSD, "base_optimizer_state", "state", group)
+    return root if name is None else (*root, str(name))
+
+
+def _optimizer_paths(stage: int, group: int, kinds: Sequence[Kind | str]) -> dict[Kind | str, KeyPath]:
+    """The key paths of flat group `group`'s fp32 master and of its optimizer state `kinds`."""
+    return {Kind.MASTER: _master_path(stage, group)} | {k: _state_path(stage, group, k) for k in kinds}
 
 
 _ABSENT = object()
@@ -493,13 +499,11 @@ def _stored(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> torch
     return cur
 
 
-def _stored_step(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> tuple[tuple[int, ...], str] | None:
-    """(shape, dtype) of Adam's stored `step`, or None when absent. torch's Adam keeps a 0-d float32
+def _stored_scalar(optim: Sequence[Any], rank: int, path: KeyPath, where: str) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of a stored scalar state such as Adam's `step`. torch's Adam keeps a 0-d float32
     tensor; DeepSpeed's own FusedAdam and DeepSpeedCPUAdam (built from the config's "optimizer") keep a
     Python int, indexed as a 0-d int64 (the executor reads it as one, DeepSpeed writers store an int)."""
     cur = _at(optim, rank, path)
-    if cur is _ABSENT:
-        return None
     if isinstance(cur, int) and not isinstance(cur, bool):
         return (), "int64"
     if not isinstance(cur, torch.Tensor):
@@ -512,46 +516,73 @@ def step_as_stored(step: torch.Tensor) -> torch.Tensor | int:
     return int(step) if step.dtype == torch.int64 and step.dim() == 0 else step
 
 
+def _group_state(optim: Sequence[Any], stage: int, gid: int, partition: int, where: str
+                 ) -> tuple[list[Kind | str], list[Kind | str]]:
+    """(elementwise kinds, scalar kinds) of flat group `gid`'s optimizer state as rank 0 stores it: tensors of
+    the partition's size (Adam's moments, momentum buffers, ...) and scalars (Adam's step: a 0-d tensor or an
+    int). Raises CheckpointFormatError naming a state of any other size (factored or quantized state has no
+    piece per parameter in a flat partition)."""
+    st = _at(optim, 0, _state_path(stage, gid))
+    if st is _ABSENT:
+        return [], []
+    if not isinstance(st, Mapping):
+        raise CheckpointFormatError(f"{where}: {list(_state_path(stage, gid))} is {type(st).__name__}, not a dict")
+    flat, scalars = [], []
+    for name, value in st.items():
+        kind = state_kind(str(name))
+        if isinstance(value, int) and not isinstance(value, bool) or (
+                isinstance(value, torch.Tensor) and value.dim() == 0):
+            scalars.append(kind)
+        elif isinstance(value, torch.Tensor) and value.numel() == partition:
+            flat.append(kind)
+        elif isinstance(value, torch.Tensor):
+            raise CheckpointFormatError(
+                f"{where}: optimizer state {name!r} of flat group {gid} holds {value.numel()} elements "
+                f"({list(value.shape)}), not the partition's {partition}: state not shaped like its parameters "
+                f"(factored or quantized, as Adafactor's or 8-bit Adam's) has no piece per parameter")
+        elif value is not None:
+            raise CheckpointFormatError(f"{where}: optimizer state {name!r} of flat group {gid} is "
+                                        f"{type(value).__name__}, not a tensor or a number")
+    return flat, scalars
+
+
 def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tuple[int, tuple[int, int], int]]],
                                          list[int]]],
                   stage: int, tag: str, bf16: bool, optim: Sequence[Any], root: Path) -> list[TensorEntry]:
-    """Entries for fp32 master / exp_avg / exp_avg_sq / step from flat groups, checking stored sizes.
+    """Entries for the fp32 master and every optimizer state tensor (Adam's moments and step, momentum buffers,
+    ...) of the flat groups, checking stored sizes on every rank.
 
     `layout` holds per flat group: (flat group id, param group id, params, chunks per param, fp32 master
-    numel per rank, padded partition size at which the moments are stored).
+    numel per rank, padded partition size at which the state tensors are stored).
     """
     entries: list[TensorEntry] = []
     for gid, _, params, chunks, master_numels, padded in layout:
-        paths = _optimizer_paths(stage, gid)
-        for kind, path in paths.items():
-            if kind is Kind.STEP:
-                continue
+        flat, scalars = _group_state(optim, stage, gid, padded, str(root / optim_file(tag, 0, bf16)))
+        paths = _optimizer_paths(stage, gid, flat + scalars)
+        for kind in [Kind.MASTER, *flat]:
+            path = paths[kind]
             for r in range(len(optim)):
                 where = str(root / optim_file(tag, r, bf16))
                 t = _stored(optim, r, path, where)
                 if t is None:
-                    if kind is Kind.MASTER:
-                        raise CheckpointFormatError(f"{where}: {list(path)} missing")
-                    continue
+                    raise CheckpointFormatError(f"{where}: {list(path)} missing" + (
+                        "" if kind is Kind.MASTER else " (rank 0 stores it)"))
                 want = master_numels[r] if kind is Kind.MASTER else padded
                 if t.numel() != want:
                     raise LayoutMismatchError(
                         f"{where}: {list(path)} holds {t.numel()} elements, but ZeRO-{stage} at dp={len(optim)} "
                         f"for params {[p.name for p in params][:4]}... needs {want}")
-        has_state = _stored(optim, 0, paths[Kind.EXP_AVG], "") is not None
-        kinds = [Kind.MASTER] + ([Kind.EXP_AVG, Kind.EXP_AVG_SQ] if has_state else [])
         for p in params:
-            for kind in kinds:
+            for kind in [Kind.MASTER, *flat]:
                 refs = tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind], offsets=(0,) * len(p.shape),
                                       lengths=p.shape, flat_range=fr, storage_offset=so)
                              for r, fr, so in chunks[p.name])
                 entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=p.shape, dtype="float32",
                                            chunks=refs))
-            step = _stored_step(optim, 0, paths[Kind.STEP], str(root / optim_file(tag, 0, bf16)))
-            if has_state and step is not None:
-                shape, dt = step
-                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.STEP), shape=shape, dtype=dt,
-                                           chunks=(ChunkRef(file=optim_file(tag, 0, bf16), key=paths[Kind.STEP],
+            for kind in scalars:
+                shape, dt = _stored_scalar(optim, 0, paths[kind], str(root / optim_file(tag, 0, bf16)))
+                entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=shape, dtype=dt,
+                                           chunks=(ChunkRef(file=optim_file(tag, 0, bf16), key=paths[kind],
                                                             offsets=(0,) * len(shape), lengths=shape),)))
     return entries
 
@@ -650,8 +681,12 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     tag, dtype, bf16 = m["tag"], m["dtype"], m["dtype"] == "bfloat16"
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g] for g in m["param_groups"]]
     src = source.by_key()
-    has_state = any(k.kind is Kind.EXP_AVG for k in src)
-    has_step = any(k.kind is Kind.STEP for k in src)
+    shapes = state_entries(source)
+    refuse_split_state(source, target="deepspeed", shapes=shapes,
+                       how=f"ZeRO-{zero_stage} flattens every parameter's state into one flat partition per rank")
+    flat_kinds = [k for k in dict.fromkeys(key.kind for key, sh in shapes.items() if sh is StateShape.ELEMENTWISE)]
+    scalar_kinds = [k for k in dict.fromkeys(key.kind for key, sh in shapes.items() if sh is StateShape.SCALAR)]
+    has_state, has_step = bool(flat_kinds), Kind.STEP in scalar_kinds
     entries: list[TensorEntry] = []
     buffers: dict[str, list[TargetBuffer]] = {}
 
@@ -687,17 +722,18 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             for mf in model_files:
                 add(mf, ("frozen_param_fragments", p.name), (z3_piece(p.numel, dp),), dt)
             entries.append(z3_frozen_entry(p, dt, model_files))
-    step_dtype = next((e.dtype for e in source.entries if e.key.kind is Kind.STEP), "float32")
+    scalar_dtypes = {k: next(e.dtype for e in source.entries if e.key.kind == k) for k in scalar_kinds}
     flat_groups = []
     for gid, pg, params, chunks, master_numels, padded in layout:
-        paths = _optimizer_paths(zero_stage, gid)
-        kinds = [Kind.MASTER] + ([Kind.EXP_AVG, Kind.EXP_AVG_SQ] if has_state else [])
+        _check_state_complete(src, params, flat_kinds + scalar_kinds, gid)
+        paths = _optimizer_paths(zero_stage, gid, scalar_kinds + flat_kinds)
+        kinds = [Kind.MASTER, *flat_kinds]
         for r in range(dp):
             of = optim_file(tag, r, bf16)
             for kind in kinds:
                 add(of, paths[kind], (master_numels[r] if kind is Kind.MASTER else padded,), "float32")
-            if has_state and has_step:
-                add(of, paths[Kind.STEP], (), step_dtype)
+            for kind in scalar_kinds:
+                add(of, paths[kind], (), scalar_dtypes[kind])
         for p in params:
             for kind in kinds:
                 entries.append(TensorEntry(key=TensorKey(name=p.name, kind=kind), shape=p.shape, dtype="float32",
@@ -705,10 +741,10 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                                                                  offsets=(0,) * len(p.shape), lengths=p.shape,
                                                                  flat_range=fr, storage_offset=so)
                                                         for r, fr, so in chunks[p.name])))
-        if has_state and has_step:
-            first = params[0].name
-            entries.append(TensorEntry(key=TensorKey(name=first, kind=Kind.STEP), shape=(), dtype=step_dtype,
-                                       chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[Kind.STEP],
+        for kind in scalar_kinds:  # one per flat group (the torch optimizer sees one flat parameter): the first's
+            entries.append(TensorEntry(key=TensorKey(name=params[0].name, kind=kind), shape=(),
+                                       dtype=scalar_dtypes[kind],
+                                       chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind],
                                                              offsets=(), lengths=()) for r in range(dp))))
         flat_groups.append({"param_group": pg, "params": [p.name for p in params], "master_numels": master_numels,
                             "partition_size": padded, "padding": padded * dp - sum(p.numel for p in params),
@@ -719,8 +755,9 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     step = None if has_step else derived_step(source)
     meta = {**m, "model_state": model_state, "state_report": state_report,
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
-            "optimizer_flavor": flavor,
-            "has_step": has_step, "derived_step": step, "writer_in_memory": step is not None}
+            "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
+            "scalar_kinds": [str(k) for k in scalar_kinds],
+            "derived_step": step, "writer_in_memory": step is not None}
     if m.get("hf_trainer"):
         meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
     files = [TargetFile(path="latest", role="latest", rank=None)]
@@ -733,6 +770,19 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=("latest",))
+
+
+def _check_state_complete(src: Mapping[TensorKey, TensorEntry], params: Sequence[Param], kinds: Sequence[Kind | str],
+                          gid: int) -> None:
+    """Raise PlanError unless every parameter of flat group `gid` has every optimizer state `kinds`: the wrapped
+    optimizer keeps one state per flat partition, which a parameter without it would leave with a hole."""
+    missing = [(p.name, k) for k in kinds for p in params if TensorKey(name=p.name, kind=k) not in src]
+    if missing:
+        have = next((p.name for p in params if all(TensorKey(name=p.name, kind=k) in src for k in kinds)), None)
+        raise PlanError(f"deepspeed target: parameter {missing[0][0]} has no optimizer state {missing[0][1]} "
+                        f"({len(missing)} missing in flat group {gid}; {have or 'no parameter'} has all of "
+                        f"{[str(k) for k in kinds]}): ZeRO keeps one state per flat group, so each of its parameters "
+                        f"needs the same state")
 
 
 def module_order(source: CheckpointIndex, naming: str) -> tuple[list[str], dict[str, Any] | None]:
@@ -905,16 +955,15 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
     masters = []
     groups_hp = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
     for gid, fg in enumerate(meta["flat_groups"]):
-        paths = _optimizer_paths(stage, gid)
-        masters.append(buffers[paths[Kind.MASTER]])
-        if meta["has_state"]:
-            st = {}
-            if meta["has_step"]:
-                st["step"] = step_as_stored(buffers[paths[Kind.STEP]])
-            elif meta.get("derived_step") is not None:
-                st["step"] = step_tensor(meta["derived_step"])
-            st["exp_avg"] = buffers[paths[Kind.EXP_AVG]]
-            st["exp_avg_sq"] = buffers[paths[Kind.EXP_AVG_SQ]]
+        masters.append(buffers[_master_path(stage, gid)])
+        st: dict[str, Any] = {}  # torch's order: the scalars (step) first, then the tensors as the source had them
+        if meta.get("derived_step") is not None:
+            st["step"] = step_tensor(meta["derived_step"])
+        for kind in meta["scalar_kinds"]:
+            st[kind] = step_as_stored(buffers[_state_path(stage, gid, kind)])
+        for kind in meta["state_kinds"]:
+            st[kind] = buffers[_state_path(stage, gid, kind)]
+        if st:
             state[gid] = st
         if fg["param_group"] >= len(groups_hp):
             raise PlanError(f"{file.path}: flat group {gid} belongs to param group {fg['param_group']} but the "

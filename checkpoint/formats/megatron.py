@@ -49,6 +49,7 @@ from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
                                   role_from_dict, roles, to_megatron)
+from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
                                              our_client_state, report_dict)
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
@@ -917,6 +918,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     (e.g. query groups not divisible by tp)."""
     refuse_shared_params(source, "megatron")
     refuse_frozen_params(source, "megatron")
+    refuse_unplaced_state(source, target="megatron", holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+                          why="Megatron-Core's distributed optimizer saves Adam's param, exp_avg and exp_avg_sq")
     arch = source_arch(source, model_config)
     pretrained = is_weights_only(source)
     if pretrained:

@@ -46,6 +46,7 @@ from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.rules.megatron import ArchSpec, canonical_tensors, expert_range, stage_layers
 from checkpoint.formats.megatron_args import args_summary, as_mapping
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
+from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
 from checkpoint.state.training_state import STATE_REPORT_FILE
 
@@ -417,6 +418,8 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     Raises PlanError when the source lacks the optimizer state or the architecture."""
     refuse_shared_params(source, "megatron-legacy")
     refuse_frozen_params(source, "megatron-legacy")
+    refuse_unplaced_state(source, target="megatron-legacy", holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+                          why="distrib_optim.pt holds Adam's param, exp_avg and exp_avg_sq per grad buffer")
     arch = _untied(source_arch(source, model_config), f"source {source.root}")
     m = source.meta if source.format in (FORMAT, DIST_FORMAT) else {**source.meta, **megatron_meta_from(source, arch)}
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)

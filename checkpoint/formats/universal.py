@@ -31,6 +31,7 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import inside, tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
 
 FORMAT = "deepspeed-universal"
@@ -193,6 +194,8 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
         raise PlanError(f"universal target needs zero_stage in 1..3 and dp >= 1, got zero_stage={zero_stage} dp={dp}")
     refuse_tied_embeddings(source, FORMAT)
     refuse_frozen_params(source, FORMAT)
+    refuse_unplaced_state(source, target=FORMAT, holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+                          why="this writer writes DeepSpeed's fp32, exp_avg, exp_avg_sq and step files")
     m = source.meta if source.format in ds.DS_META_FORMATS else ds.deepspeed_meta_from(source)
     src = source.by_key()
     names = [n for g in m["param_groups"] for n, _ in g]
