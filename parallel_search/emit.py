@@ -75,6 +75,10 @@ def megatron_args(model: ModelShape, train: TrainingShape, cand: Candidate, *, o
         args += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     if model.gated_ffn:
         args += ["--swiglu", "--normalization", "RMSNorm"]
+    if model.qkv_bias:
+        args += ["--add-qkv-bias"]
+    if model.qk_layernorm:
+        args += ["--qk-layernorm"]
     if not model.tied_embeddings:
         args += ["--untie-embeddings-and-output-weights"]
     if model.is_moe:

@@ -19,7 +19,8 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelShape:
-    """A GPT/Llama decoder (``gated_ffn``: SwiGLU, three FFN matrices) with optional top-k MoE FFN."""
+    """A GPT/Llama decoder (``gated_ffn``: SwiGLU, three FFN matrices) with optional top-k MoE FFN; ``qkv_bias``
+    (Qwen2) and ``qk_layernorm`` (Qwen3) change what a launch must build, not the memory or cost model."""
 
     num_layers: int
     hidden_size: int
@@ -33,6 +34,8 @@ class ModelShape:
     num_experts: int = 0
     moe_top_k: int = 2
     make_vocab_size_divisible_by: int = 128
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",

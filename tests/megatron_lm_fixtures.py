@@ -106,7 +106,7 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         num_attention_heads=m.num_attention_heads, group_query_attention=m.num_query_groups != m.num_attention_heads,
         num_query_groups=m.num_query_groups, kv_channels=m.head_dim, swiglu=m.gated_ffn,
         normalization="RMSNorm" if m.gated_ffn else "LayerNorm",
-        norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+        norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=m.qkv_bias, qk_layernorm=m.qk_norm,
         untie_embeddings_and_output_weights=not m.tied_embeddings, vocab_size=None,
         padded_vocab_size=m.padded_vocab_size(run.tp), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         position_embedding_type="rope", add_position_embedding=True, rotary_base=int(m.rotary_base), rotary_percent=1.0,

@@ -21,7 +21,9 @@ from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL
 from migrate.workload.torch_model import build_decoder
 
-SPECS = {"llama": TINY_LLAMA, "mixtral": TINY_MIXTRAL, "gpt": dataclasses.replace(TINY_LLAMA, architecture="gpt")}
+SPECS = {"llama": TINY_LLAMA, "mixtral": TINY_MIXTRAL, "gpt": dataclasses.replace(TINY_LLAMA, architecture="gpt"),
+         "qwen2": dataclasses.replace(TINY_LLAMA, architecture="qwen2"),
+         "qwen3": dataclasses.replace(TINY_LLAMA, architecture="qwen3")}
 HF_EXAMPLES = {
     "llama": {"layers.1.self_attn.k_proj.weight": "model.layers.1.self_attn.k_proj.weight",
               "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"},
@@ -34,6 +36,8 @@ HF_EXAMPLES = {
             "layers.0.self_attn.o_proj.weight": "model.layers.0.self_attn.o_proj.weight",
             "layers.0.mlp.up_proj.weight": "model.layers.0.mlp.c_fc.weight",
             "layers.0.mlp.down_proj.weight": "model.layers.0.mlp.c_proj.weight", "norm.bias": "model.norm.bias"},
+    "qwen2": {"layers.1.self_attn.v_proj.bias": "model.layers.1.self_attn.v_proj.bias"},  # Qwen2ForCausalLM
+    "qwen3": {"layers.0.self_attn.k_norm.weight": "model.layers.0.self_attn.k_norm.weight"},  # Qwen3ForCausalLM
 }
 
 

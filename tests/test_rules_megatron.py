@@ -25,6 +25,10 @@ ARCHS = {
                       num_query_groups=2, vocab_size=50, make_vocab_size_divisible_by=4),
     "mixtral": ArchSpec(architecture="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=48,
                         num_attention_heads=8, num_query_groups=2, vocab_size=50, num_experts=4),
+    "qwen2": ArchSpec(architecture="qwen2", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+                      num_query_groups=4, vocab_size=50, make_vocab_size_divisible_by=4),
+    "qwen3": ArchSpec(architecture="qwen3", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+                      num_query_groups=2, vocab_size=50, make_vocab_size_divisible_by=4),
 }
 
 
@@ -58,9 +62,9 @@ def test_tp_shards_merge_back_to_the_reference(arch_name, tp):
         vector = fused.dim() == 1
         merged = {}
         for t in range(tp):
-            rows = () if vector else tp_local_rows(rule, arch, tp, t)
+            rows = tp_local_rows(rule, arch, tp, t)  # a vector's elements: whole (norms) or per query group (bias)
             c0, nc = tp_local_cols(rule, arch, tp, t)
-            local = fused[c0:c0 + nc] if vector else torch.cat([fused[g:g + n, c0:c0 + nc] for g, n in rows])
+            local = torch.cat([fused[g:g + n] if vector else fused[g:g + n, c0:c0 + nc] for g, n in rows])
             p = LocalParam(rule=rule, layer=0 if rule.scope != "model" else None,
                            expert=0 if rule.scope == "expert" else None, row_runs=rows, cols=(c0, nc), vector=vector)
             assert p.shape == tuple(local.shape)

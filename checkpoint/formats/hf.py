@@ -94,6 +94,10 @@ def _architecture(root: Path, config: Mapping[str, Any] | None, header: Mapping[
         return header[ARCH_KEY]
     if any(".block_sparse_moe." in n for n in names):
         return "mixtral"
+    if any(n.endswith(".self_attn.q_norm.weight") for n in names):
+        return "qwen3"
+    if any(n.endswith(".self_attn.q_proj.bias") for n in names):
+        return "qwen2"
     return "gpt" if any(".mlp.c_fc." in n for n in names) else "llama"
 
 

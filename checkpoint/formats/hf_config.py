@@ -5,7 +5,7 @@ model's numbers come from the first of: a given `--model-config`, the source's o
 source, carried as it is), Megatron-LM's `args` (`rotary_base`, `norm_epsilon`, `moe_router_topk`, ...), the
 model spec the built-in engines save. A field none of them records (the norm epsilon, the RoPE base) is an
 error naming it, never a guess. `config_json` renders the fields with transformers' own config class
-(`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`) the way `save_pretrained` writes it.
+(`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`, `Qwen2Config`, `Qwen3Config`) the way `save_pretrained` writes it.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import PlanError
-from checkpoint.rules.megatron import HF_MODEL_TYPES
+from checkpoint.rules.megatron import HF_MODEL_TYPES, family_of_args
 
 # architecture -> (transformers config class, model class, model_type)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
               "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral"),
-              "gpt": ("Starcoder2Config", "Starcoder2ForCausalLM", "starcoder2")}
+              "gpt": ("Starcoder2Config", "Starcoder2ForCausalLM", "starcoder2"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +111,7 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
     heads = int(_need(args, "num_attention_heads", origin))
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     experts = int(args.get("num_experts") or 0)
-    family = ("mixtral" if experts else "llama") if args.get("swiglu") else "gpt"
+    family = family_of_args(args)
     return ModelFields(
         architecture=family, num_layers=int(_need(args, "num_layers", origin)),
         hidden_size=int(_need(args, "hidden_size", origin)), ffn_hidden_size=int(_need(args, "ffn_hidden_size", origin)),
@@ -144,6 +146,10 @@ def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str
         if fields.architecture == "mixtral":
             extra |= dict(num_local_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
                           sliding_window=None)
+        if fields.architecture in ("qwen2", "qwen3"):  # the weights' own dense layers, full attention
+            extra |= dict(use_sliding_window=False, sliding_window=None, max_window_layers=fields.num_layers,
+                          layer_types=["full_attention"] * fields.num_layers, hidden_act="silu",
+                          bos_token_id=None, eos_token_id=None)
     config = getattr(transformers, config_cls)(**common, **extra)
     return json.loads(config.to_json_string(use_diff=True))
 

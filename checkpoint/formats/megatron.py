@@ -135,21 +135,23 @@ class _Piece:
     storage_offset: int
 
 
-def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | None, rows: tuple[int, int] | None,
-            cols: tuple[int, int], start: int) -> list[_Piece]:
-    """Canonical pieces of a contiguous stored block: global matrix rows (start, n) x cols (c0, nc)
-    (rows None for vectors), first element at `start` of the stored blob."""
-    c0, nc = cols
+def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | None, rows: tuple[int, int],
+            cols: tuple[int, int] | None, start: int) -> list[_Piece]:
+    """Canonical pieces of a contiguous stored block: global matrix rows (start, n) x cols (c0, nc), or for a
+    vector (cols None: a norm, or a fused QKV bias split per query group like its weight's rows) its elements
+    (start, n); first element at `start` of the stored blob."""
     out = []
-    for i, seg in enumerate(segments(rule, arch)):
+    for seg in segments(rule, arch):
+        lo, hi = max(rows[0], seg.start), min(rows[0] + rows[1], seg.start + seg.length)
+        if lo >= hi:
+            continue
         name = canonical_name(rule, seg, layer, expert)
         shape = _canon_shape(rule, arch, seg.part)
-        if rows is None:  # a vector (norm weight/bias): one segment, the whole vector
-            if i == 0:
-                out.append(_Piece(name=name, shape=shape, offsets=(c0,), lengths=(nc,), storage_offset=start))
-            continue
-        lo, hi = max(rows[0], seg.start), min(rows[0] + rows[1], seg.start + seg.length)
-        if lo < hi:
+        if cols is None:
+            out.append(_Piece(name=name, shape=shape, offsets=(seg.dst + lo - seg.start,), lengths=(hi - lo,),
+                              storage_offset=start + lo - rows[0]))
+        else:
+            c0, nc = cols
             out.append(_Piece(name=name, shape=shape, offsets=(seg.dst + lo - seg.start, c0), lengths=(hi - lo, nc),
                               storage_offset=start + (lo - rows[0]) * nc))
     return out
@@ -158,7 +160,7 @@ def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | N
 @functools.cache
 def _canon_shape(rule: TensorRule, arch: ArchSpec, part: str) -> tuple[int, ...]:
     m = matrix_shape(rule, arch)
-    if len(m) == 1:
+    if len(m) == 1 and rule.fuse == "none":
         return m
     return (sum(s.length for s in segments(rule, arch) if s.part == part), *m[1:])
 
@@ -177,7 +179,7 @@ def box_pieces(rule: TensorRule, arch: ArchSpec, offsets: tuple[int, ...], lengt
         layer = idx[0] if lead >= 1 else None
         expert = idx[1] if lead == 2 else None
         if len(mat_n) == 1:
-            out += _pieces(rule, arch, layer, expert, None, (mat_o[0], mat_n[0]), start + k * block)
+            out += _pieces(rule, arch, layer, expert, (mat_o[0], mat_n[0]), None, start + k * block)
         else:
             if mat_n[1] != matrix_shape(rule, arch, 1)[1] and len(segments(rule, arch)) > 1:
                 raise CheckpointFormatError(f"{rule.key}: chunk {offsets}+{lengths} splits the columns of a fused "
@@ -201,9 +203,8 @@ class LocalParam:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if self.vector:
-            return (self.cols[1],)
-        return (sum(n for _, n in self.row_runs), self.cols[1])
+        rows = sum(n for _, n in self.row_runs)
+        return (rows,) if self.vector else (rows, self.cols[1])
 
     @property
     def numel(self) -> int:
@@ -223,7 +224,7 @@ def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_ran
     def add(rule: TensorRule, layer: int | None, expert: int | None) -> None:
         vector = len(matrix_shape(rule, arch)) == 1
         out.append(LocalParam(rule=rule, layer=layer, expert=expert, vector=vector,
-                              row_runs=() if vector else tp_local_rows(rule, arch, tp, tp_rank),
+                              row_runs=tp_local_rows(rule, arch, tp, tp_rank),
                               cols=tp_local_cols(rule, arch, tp, tp_rank)))
 
     first, last = rules.model[0], rules.model[1:]
@@ -297,16 +298,14 @@ def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: in
     out = []
     for offs, lens, first in flat_run_boxes(p.shape, lo, hi):
         st = start + first - lo
-        if p.vector:
-            out += _pieces(p.rule, arch, p.layer, p.expert, None, (p.cols[0] + offs[0], lens[0]), st)
-            continue
         r, nr = offs[0], lens[0]
         local = 0
         for g0, n in p.row_runs:
             a, b = max(r, local), min(r + nr, local + n)
             if a < b:
-                out += _pieces(p.rule, arch, p.layer, p.expert, (g0 + a - local, b - a),
-                               (p.cols[0] + offs[1], lens[1]), st + (a - r) * p.shape[1])
+                cols = None if p.vector else (p.cols[0] + offs[1], lens[1])
+                out += _pieces(p.rule, arch, p.layer, p.expert, (g0 + a - local, b - a), cols,
+                               st + (a - r) * (1 if p.vector else p.shape[1]))
             local += n
     return out
 
@@ -706,8 +705,8 @@ def owner_boxes(rule: TensorRule, arch: ArchSpec, layout: ParallelLayout, *, tp_
         if rule.scope == "expert":
             ex = expert_range(arch.num_experts, layout.ep, ep_rank)
             leads = [((*o, ex.start), (*n, len(ex))) for o, n in leads]
-    if len(mat) == 1:
-        mats = [((0,), mat)]
+    if len(mat) == 1:  # a norm (whole) or a QKV bias (rows per query group, as its weight's)
+        mats = [((r0,), (nr,)) for r0, nr in tp_local_rows(rule, arch, tp, tp_rank)]
     else:
         c0, nc = tp_local_cols(rule, arch, tp, tp_rank)
         mats = [((r0, c0), (nr, nc)) for r0, nr in tp_local_rows(rule, arch, tp, tp_rank)]

@@ -19,7 +19,7 @@ import torch
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.hf_config import ModelFields
 from checkpoint.layout import ParallelLayout
-from checkpoint.rules.megatron import ArchSpec
+from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, ArchSpec, family_of_args
 
 # What `inspect` shows of a Megatron-LM run, in this order (fields the Namespace lacks are left out)
 SUMMARY_FIELDS = (
@@ -51,10 +51,14 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
     """The features of the run the tensor rules do not map yet, each with its field and value."""
     heads, hidden = int(a["num_attention_heads"]), int(a["hidden_size"])
     out = []
+    swiglu, experts = bool(a.get("swiglu", False)), bool(a.get("num_experts"))
+    qkv_bias, qk_norm = bool(a.get("add_qkv_bias", False)), bool(a.get("qk_layernorm", False))
     checks = (
         ("add_bias_linear", bool(a.get("add_bias_linear", True)), "linear-layer biases"),
-        ("add_qkv_bias", bool(a.get("add_qkv_bias", False)), "QKV biases"),
-        ("qk_layernorm", bool(a.get("qk_layernorm", False)), "QK layernorm"),
+        ("add_qkv_bias", qkv_bias and (not swiglu or experts or qk_norm),
+         "QKV biases outside a dense SwiGLU model without QK layernorm (the rules map them as Qwen2)"),
+        ("qk_layernorm", qk_norm and (not swiglu or experts),
+         "QK layernorm outside a dense SwiGLU model (the rules map it as Qwen3)"),
         ("multi_latent_attention", bool(a.get("multi_latent_attention", False)), "multi-latent attention"),
         ("mtp_num_layers", bool(a.get("mtp_num_layers")), "multi-token-prediction layers"),
         ("moe_shared_expert_intermediate_size", bool(a.get("moe_shared_expert_intermediate_size")), "shared experts"),
@@ -105,7 +109,7 @@ def arch_from_args(args: Any, *, where: str) -> ArchSpec:
         raise CheckpointFormatError(f"{where}: the run uses {'; '.join(unsupported)}: no tensor rules for it yet")
     heads = int(a["num_attention_heads"])
     experts = int(a.get("num_experts") or 0)
-    family = ("mixtral" if experts else "llama") if swiglu else "gpt"
+    family = family_of_args(a)
     if family == "gpt" and experts:
         raise CheckpointFormatError(f"{where}: num_experts={experts} with GELU + LayerNorm: no rules for a GPT MoE")
     groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
@@ -212,14 +216,14 @@ def synthesized_args(arch: ArchSpec, fields: ModelFields | None, *, iteration: i
     global batch, when the source records its global batch), `no_save_rng` (no RNG state crosses frameworks)
     and, for a weights-only start, `no_save_optim`. `tokenizer_type` is said only for sources with an HF
     config (their tokenizer is transformers'); the layout fields come from `target_args`."""
-    swiglu = arch.architecture in ("llama", "mixtral")
+    swiglu = arch.architecture in SWIGLU_ARCHITECTURES
     a: dict[str, Any] = {
         "num_layers": arch.num_layers, "hidden_size": arch.hidden_size, "ffn_hidden_size": arch.ffn_hidden_size,
         "num_attention_heads": arch.num_attention_heads,
         "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
         "num_query_groups": arch.num_query_groups, "kv_channels": arch.head_dim, "swiglu": swiglu,
-        "normalization": "RMSNorm" if swiglu else "LayerNorm", "add_bias_linear": False, "add_qkv_bias": False,
-        "qk_layernorm": False, "untie_embeddings_and_output_weights": not arch.tied_embeddings,
+        "normalization": "RMSNorm" if swiglu else "LayerNorm", "add_bias_linear": False,
+        "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture == "qwen3", "untie_embeddings_and_output_weights": not arch.tied_embeddings,
         "vocab_size": arch.vocab_size, "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
         "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
         "use_rope_scaling": False, "apply_layernorm_1p": False, "squared_relu": False, "openai_gelu": False,

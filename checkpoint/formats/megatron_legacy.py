@@ -43,7 +43,8 @@ from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, T
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
-from checkpoint.rules.megatron import ArchSpec, canonical_tensors, expert_range, stage_layers
+from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, ArchSpec, canonical_tensors, expert_range,
+                                       stage_layers)
 from checkpoint.formats.megatron_args import args_summary, as_mapping
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
 from checkpoint.state.optimizer_state import refuse_unplaced_state
@@ -396,7 +397,8 @@ def legacy_args(arch: ArchSpec, layout: ParallelLayout, base: Mapping[str, Any] 
     a |= {"num_layers": arch.num_layers, "hidden_size": arch.hidden_size, "ffn_hidden_size": arch.ffn_hidden_size,
           "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_query_groups,
           "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
-          "swiglu": arch.architecture in ("llama", "mixtral"), "vocab_size": arch.vocab_size,
+          "swiglu": arch.architecture in SWIGLU_ARCHITECTURES, "vocab_size": arch.vocab_size,
+          "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture == "qwen3",
           "padded_vocab_size": arch.padded_vocab(layout.tp), "num_experts": arch.num_experts or None,
           "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
           "untie_embeddings_and_output_weights": not arch.tied_embeddings,

@@ -1,4 +1,4 @@
-"""Megatron-Core GPTModel rules (gpt, llama, mixtral) as data, and the pure box arithmetic they drive.
+"""Megatron-Core GPTModel rules (gpt, llama, mixtral, qwen2, qwen3) as data, and the pure box arithmetic they drive.
 
 A Megatron-Core dist checkpoint stores each parameter under a *key* stacked over layers (and
 experts): e.g. `decoder.layers.self_attention.linear_qkv.weight` has global shape (L, R, C). A
@@ -58,8 +58,36 @@ class ArchSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-# HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary, no biases)
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt"}
+# HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary; Qwen2's QKV
+# biases, Qwen3's per-head q/k RMSNorm)
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt", "qwen2": "qwen2",
+                  "qwen3": "qwen3"}
+
+
+def _check_hf_attention(c: Mapping[str, Any], kind: str, where: str) -> None:
+    """Refuse, naming the field, an HF attention the rules do not map: a head_dim other than hidden/heads, Qwen3's
+    optional linear biases."""
+    heads = int(c["num_attention_heads"])
+    head_dim = c.get("head_dim")
+    if head_dim is not None and int(head_dim) != int(c["hidden_size"]) // heads:
+        raise CheckpointFormatError(f"{where}: head_dim={head_dim} differs from hidden_size({c['hidden_size']}) / "
+                                    f"num_attention_heads({heads}) = {int(c['hidden_size']) // heads}; the rules map "
+                                    f"models whose head_dim is hidden_size / num_attention_heads")
+    if kind in ("llama", "qwen3") and c.get("attention_bias"):
+        raise CheckpointFormatError(f"{where}: {c.get('model_type')} with attention_bias=True (q/k/v/o biases): the "
+                                    f"rules map it without biases; qwen2 has q/k/v biases")
+
+
+def family_of_args(args: Mapping[str, Any]) -> str:
+    """The rules' architecture of a Megatron-LM run from its args: GELU + LayerNorm is gpt; SwiGLU + RMSNorm is
+    llama, with routed experts mixtral, with QKV biases (add_qkv_bias) qwen2, with QK layernorm qwen3."""
+    if not args.get("swiglu"):
+        return "gpt"
+    if int(args.get("num_experts") or 0):
+        return "mixtral"
+    if args.get("qk_layernorm"):
+        return "qwen3"
+    return "qwen2" if args.get("add_qkv_bias") else "llama"
 
 
 def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ArchSpec:
@@ -74,6 +102,7 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
             if kind is None:
                 raise CheckpointFormatError(f"{where}: HF model_type {c['model_type']!r} has no Megatron rules; "
                                             f"known: {sorted(HF_MODEL_TYPES)}")
+            _check_hf_attention(c, kind, where)
             if kind == "gpt" and c.get("use_bias", True):
                 raise CheckpointFormatError(f"{where}: starcoder2 with use_bias={c.get('use_bias', True)} (linear "
                                             f"biases): the rules map bias-free models only")
@@ -117,7 +146,10 @@ _LN = "decoder.layers.self_attention.linear_qkv.layer_norm_"
 _MLN = "decoder.layers.mlp.linear_fc1.layer_norm_"
 
 
-def _layer_rules(bias: bool, moe: bool) -> tuple[TensorRule, ...]:
+def _layer_rules(bias: bool, moe: bool, qkv_bias: bool = False, qk_norm: bool = False) -> tuple[TensorRule, ...]:
+    """One layer's rules in Megatron-Core's named_parameters order: `bias` for LayerNorm biases, `moe` for routed
+    experts, `qkv_bias` for the fused QKV's bias (add_qkv_bias), `qk_norm` for the per-head q/k norms
+    (qk_layernorm), which Megatron-Core builds after linear_qkv."""
     norms = ("weight", "bias") if bias else ("weight",)
     rules = [TensorRule(key=f"{_LN}{n}", param=f"input_layernorm.{n}", scope="layer",
                         canonical=f"layers.{{layer}}.input_layernorm.{n}") for n in norms]
@@ -127,6 +159,14 @@ def _layer_rules(bias: bool, moe: bool) -> tuple[TensorRule, ...]:
         TensorRule(key="decoder.layers.self_attention.linear_qkv.weight", param="self_attention.linear_qkv.weight",
                    scope="layer", canonical="layers.{layer}.self_attn.{part}_proj.weight", tp_dim=0, fuse="qkv"),
     ]
+    if qkv_bias:
+        rules.append(TensorRule(key="decoder.layers.self_attention.linear_qkv.bias",
+                                param="self_attention.linear_qkv.bias", scope="layer",
+                                canonical="layers.{layer}.self_attn.{part}_proj.bias", tp_dim=0, fuse="qkv"))
+    if qk_norm:
+        rules += [TensorRule(key=f"decoder.layers.self_attention.{q}_layernorm.weight",
+                             param=f"self_attention.{q}_layernorm.weight", scope="layer",
+                             canonical=f"layers.{{layer}}.self_attn.{q}_norm.weight") for q in ("q", "k")]
     rules += [TensorRule(key=f"{_MLN}{n}", param=f"pre_mlp_layernorm.{n}", scope="layer",
                          canonical=f"layers.{{layer}}.post_attention_layernorm.{n}") for n in norms]
     if moe:
@@ -176,12 +216,18 @@ class ArchRules:
         return {r.key: r for r in self.all()}
 
 
-# gpt: LayerNorm (weight + bias), GELU FFN; llama: RMSNorm, SwiGLU; mixtral: llama attention + routed experts.
+# gpt: LayerNorm (weight + bias), GELU FFN; llama: RMSNorm, SwiGLU; mixtral: llama attention + routed experts;
+# qwen2: llama with QKV biases; qwen3: llama with per-head q/k RMSNorm (QK layernorm).
 RULES: dict[str, ArchRules] = {
     "gpt": ArchRules(name="gpt", layer=_layer_rules(bias=True, moe=False), model=_model_rules(bias=True)),
     "llama": ArchRules(name="llama", layer=_layer_rules(bias=False, moe=False), model=_model_rules(bias=False)),
     "mixtral": ArchRules(name="mixtral", layer=_layer_rules(bias=False, moe=True), model=_model_rules(bias=False)),
+    "qwen2": ArchRules(name="qwen2", layer=_layer_rules(bias=False, moe=False, qkv_bias=True),
+                       model=_model_rules(bias=False)),
+    "qwen3": ArchRules(name="qwen3", layer=_layer_rules(bias=False, moe=False, qk_norm=True),
+                       model=_model_rules(bias=False)),
 }
+SWIGLU_ARCHITECTURES = ("llama", "mixtral", "qwen2", "qwen3")
 
 
 OUTPUT_KEY = "output_layer.weight"
@@ -214,6 +260,9 @@ def matrix_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ..
         "output_layer.weight": (arch.padded_vocab(tp), h),
         "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * arch.head_dim),
         "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
+        "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
+        "decoder.layers.self_attention.q_layernorm.weight": (arch.head_dim,),
+        "decoder.layers.self_attention.k_layernorm.weight": (arch.head_dim,),
         "decoder.layers.mlp.router.weight": (arch.num_experts, h),
     }
     if rule.key in table:
@@ -266,7 +315,7 @@ def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
 def canonical_shape(rule: TensorRule, arch: ArchSpec, seg: Segment) -> tuple[int, ...]:
     m = matrix_shape(rule, arch)
-    if len(m) == 1:
+    if len(m) == 1 and rule.fuse == "none":
         return m
     total = sum(s.length for s in segments(rule, arch) if s.part == seg.part)
     return (total, *m[1:])
@@ -306,7 +355,8 @@ def hf_order(arch: ArchSpec) -> list[str]:
     out = ["embed_tokens.weight"]
     for i in range(arch.num_layers):
         out += [f"layers.{i}.input_layernorm.{n}" for n in norms]
-        out += [f"layers.{i}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+        out += [f"layers.{i}.self_attn.{p}_proj.{n}" for p in ("q", "k", "v") for n in ("weight", "bias")]
+        out += [f"layers.{i}.self_attn.o_proj.weight"] + [f"layers.{i}.self_attn.{q}_norm.weight" for q in ("q", "k")]
         out += [f"layers.{i}.post_attention_layernorm.{n}" for n in norms]
         out += [f"layers.{i}.{m}" for m in mlp]
     out += [f"norm.{n}" for n in norms] + ["lm_head.weight"]

@@ -2,7 +2,8 @@
 
 Conventions (`Naming`): `canonical`, the built-in decoder's names (`layers.0.self_attn.q_proj.weight`) that
 the Megatron rules and the HF writer map from; `hf`, transformers' module names (`model.layers.0...`,
-`lm_head.weight`; Mixtral's `block_sparse_moe.experts.N.w1`, Starcoder2's `mlp.c_fc`), as `save_pretrained`,
+`lm_head.weight`; Mixtral's `block_sparse_moe.experts.N.w1`, Starcoder2's `mlp.c_fc`, Qwen2's q/k/v biases,
+Qwen3's `self_attn.q_norm`), as `save_pretrained`,
 an HF-Trainer DeepSpeed run or an FSDP2-wrapped transformers model store them; `torchtitan`, torchtitan's
 Llama (`tok_embeddings`, `attention.wq`, `feed_forward.w1`, `output`), whose wq/wk rows are in Meta's
 interleaved RoPE order: torchtitan's `Llama3StateDictAdapter` permutes them to and from transformers' order
@@ -60,20 +61,22 @@ def _ends(norm: str) -> tuple[NameRow, ...]:
             NameRow("lm_head.weight", "lm_head.weight", "output.weight"))
 
 
+def _llama_mlp() -> tuple[NameRow, ...]:
+    return (NameRow("layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.gate_proj.weight",
+                    "layers.{L}.feed_forward.w1.weight"),
+            NameRow("layers.{L}.mlp.up_proj.weight", "model.layers.{L}.mlp.up_proj.weight",
+                    "layers.{L}.feed_forward.w3.weight"),
+            NameRow("layers.{L}.mlp.down_proj.weight", "model.layers.{L}.mlp.down_proj.weight",
+                    "layers.{L}.feed_forward.w2.weight"))
+
+
 def _without_torchtitan(rows: Iterable[NameRow]) -> tuple[NameRow, ...]:
     return tuple(NameRow(r.canonical, r.hf) for r in rows)
 
 
 TABLES: dict[str, tuple[NameRow, ...]] = {
     # LlamaForCausalLM / MistralForCausalLM; torchtitan's Llama 3
-    "llama": (*_attention("weight"),
-              NameRow("layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.gate_proj.weight",
-                      "layers.{L}.feed_forward.w1.weight"),
-              NameRow("layers.{L}.mlp.up_proj.weight", "model.layers.{L}.mlp.up_proj.weight",
-                      "layers.{L}.feed_forward.w3.weight"),
-              NameRow("layers.{L}.mlp.down_proj.weight", "model.layers.{L}.mlp.down_proj.weight",
-                      "layers.{L}.feed_forward.w2.weight"),
-              *_ends("weight")),
+    "llama": (*_attention("weight"), *_llama_mlp(), *_ends("weight")),
     # MixtralForCausalLM (per-expert w1/w2/w3 as save_pretrained writes them); torchtitan stacks its experts
     # into one grouped tensor, which is not a renaming
     "mixtral": _without_torchtitan((
@@ -83,6 +86,19 @@ TABLES: dict[str, tuple[NameRow, ...]] = {
         NameRow("layers.{L}.mlp.experts.{E}.down_proj.weight", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"),
         NameRow("layers.{L}.mlp.experts.{E}.up_proj.weight", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight"),
         *_ends("weight"))),
+    # Qwen2ForCausalLM: Llama with q/k/v biases
+    "qwen2": _without_torchtitan((
+        *(r for r in _attention("weight") if "o_proj" not in r.canonical and "post_attention" not in r.canonical),
+        *(NameRow(f"layers.{{L}}.self_attn.{q}_proj.bias", f"model.layers.{{L}}.self_attn.{q}_proj.bias")
+          for q in ("q", "k", "v")),
+        *(r for r in _attention("weight") if "o_proj" in r.canonical or "post_attention" in r.canonical),
+        *_llama_mlp(), *_ends("weight"))),
+    # Qwen3ForCausalLM: Llama with per-head q/k RMSNorm
+    "qwen3": _without_torchtitan((
+        *_attention("weight"),
+        *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight")
+          for q in ("q", "k")),
+        *_llama_mlp(), *_ends("weight"))),
     # Starcoder2ForCausalLM with use_bias=False: LayerNorm (weight and bias), non-gated MLP c_fc/c_proj
     "gpt": _without_torchtitan((
         *(r for p in ("weight", "bias") for r in _attention(p) if "norm" in r.canonical),

@@ -179,9 +179,9 @@ class TargetSection(ClusterSection):
 class ModelSection(Section):
     """The model architecture (GPT/Llama decoder, or Mixtral-style MoE)."""
 
-    architecture: Literal["gpt", "llama", "mixtral"]
-    """gpt (LayerNorm, GeLU, learned positions), llama (RMSNorm, SwiGLU, RoPE, grouped-query attention) or mixtral
-    (llama with MoE feed-forward layers)"""
+    architecture: Literal["gpt", "llama", "mixtral", "qwen2", "qwen3"]
+    """gpt (LayerNorm, GeLU), llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), mixtral (llama with MoE
+    feed-forward layers), qwen2 (llama with q/k/v biases) or qwen3 (llama with per-head q/k RMSNorm)"""
     num_layers: PositiveInt
     """transformer layers"""
     hidden_size: PositiveInt

@@ -16,7 +16,8 @@ def model_shape(job: Job) -> ModelShape:
                       num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
                       vocab_size=m.vocab_size, seq_length=m.seq_length, gated_ffn=m.architecture != "gpt",
                       tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
-                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                      qkv_bias=m.architecture == "qwen2", qk_layernorm=m.architecture == "qwen3")
 
 
 def training_shape(job: Job) -> TrainingShape:

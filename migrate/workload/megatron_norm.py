@@ -42,17 +42,34 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def gpt_block_spec(config: Any, *, num_experts: int | None, normalization: str, vp_stage: int | None) -> Any:
+class HeadTorchNorm:
+    """Builds the torch norm of a per-head q/k layernorm (qk_layernorm) like `WrappedTorchNorm`, without its
+    assertion against sequence parallel: it normalises heads after the sequence is gathered, so each TP rank sees
+    every token and its parameters are not marked `sequence_parallel` (their grads need no TP all-reduce)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        return kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+
+
+def gpt_block_spec(config: Any, *, num_experts: int | None, normalization: str, vp_stage: int | None,
+                   qk_layernorm: bool = False) -> Any:
     """The decoder block of one (virtual) pipeline stage: local-spec layers and final norm, every
-    norm a `SequenceParallelTorchNorm`."""
+    norm a `SequenceParallelTorchNorm` (the per-head q/k norms of `qk_layernorm`: `HeadTorchNorm`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization)
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization,
+                                     qk_layernorm=qk_layernorm)
     sub = layer.submodules
-    replaced = {"input_layernorm": SequenceParallelTorchNorm}
+    replaced: dict[str, Any] = {"input_layernorm": SequenceParallelTorchNorm}
     if sub.pre_mlp_layernorm is not None and getattr(sub.pre_mlp_layernorm, "__name__", "") != "IdentityOp":
         replaced["pre_mlp_layernorm"] = SequenceParallelTorchNorm
+    if qk_layernorm:
+        attention = sub.self_attention
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=HeadTorchNorm, k_layernorm=HeadTorchNorm))
+        replaced["self_attention"] = attention
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(sub, **replaced))
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)

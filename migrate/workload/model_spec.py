@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-Architecture = Literal["gpt", "llama", "mixtral"]
+Architecture = Literal["gpt", "llama", "mixtral", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[str, ...] = ("gpt", "llama", "mixtral", "qwen2", "qwen3")
 Precision = Literal["fp32", "bf16"]
 Engine = Literal["deepspeed", "megatron", "fsdp"]
 
@@ -19,8 +20,9 @@ Engine = Literal["deepspeed", "megatron", "fsdp"]
 class ModelSpec:
     """A GPT/Llama-style decoder; `mixtral` adds a top-k routed MoE FFN.
 
-    gpt: LayerNorm + GELU FFN; llama/mixtral: RMSNorm + SwiGLU FFN. All use rotary
-    position embeddings and grouped-query attention (`num_query_groups` KV heads).
+    gpt: LayerNorm + GELU FFN; llama/mixtral/qwen2/qwen3: RMSNorm + SwiGLU FFN; qwen2 adds q/k/v biases,
+    qwen3 a per-head RMSNorm of q and k before RoPE. All use rotary position embeddings and grouped-query
+    attention (`num_query_groups` KV heads).
     """
 
     architecture: Architecture = "llama"
@@ -39,8 +41,8 @@ class ModelSpec:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.architecture not in ("gpt", "llama", "mixtral"):
-            raise ValueError(f"model.architecture={self.architecture!r}: expected gpt, llama or mixtral")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"model.architecture={self.architecture!r}: expected one of {', '.join(ARCHITECTURES)}")
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
@@ -72,7 +74,17 @@ class ModelSpec:
 
     @property
     def gated_ffn(self) -> bool:
-        return self.architecture in ("llama", "mixtral")
+        return self.architecture != "gpt"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q/k/v projections with biases (Qwen2; Megatron's add_qkv_bias)."""
+        return self.architecture == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3; Megatron's qk_layernorm)."""
+        return self.architecture == "qwen3"
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""

@@ -1,5 +1,6 @@
 """The built-in decoder in plain PyTorch (for DeepSpeed and FSDP2): GPT/Llama with GQA,
-rotary, SwiGLU, tied or untied embeddings, and a Mixtral-style top-k MoE FFN.
+rotary, SwiGLU, tied or untied embeddings, a Mixtral-style top-k MoE FFN, Qwen2's q/k/v biases and
+Qwen3's q/k norms.
 
 Parameter names follow Hugging Face Llama/Mixtral (`model.layers.N.self_attn.q_proj.weight`,
 `lm_head.weight`) so converted checkpoints map by name. Dropout is absent: a step is a pure
@@ -48,10 +49,13 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         kv = spec.num_query_groups * spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False)
-        self.k_proj = nn.Linear(spec.hidden_size, kv, bias=False)
-        self.v_proj = nn.Linear(spec.hidden_size, kv, bias=False)
+        self.q_proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:  # Qwen3: each head's q and k normalised over head_dim, before RoPE
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -61,6 +65,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeat = s.num_attention_heads // s.num_query_groups
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -143,11 +149,12 @@ class Decoder(nn.Module):
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic init from `seed`, independent of the global RNG: normal(0, std) for matrices."""
+    """Deterministic init from `seed`, independent of the global RNG: normal(0, std) for matrices and for the
+    projections' biases (Qwen2's q/k/v); norms keep their ones and zeros."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2:
+            if param.dim() >= 2 or name.endswith("_proj.bias"):
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 

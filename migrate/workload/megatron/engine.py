@@ -65,6 +65,7 @@ def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
         kv_channels=model.head_dim, normalization="RMSNorm" if model.gated_ffn else "LayerNorm",
         layernorm_epsilon=model.norm_eps, gated_linear_unit=model.gated_ffn,
         activation_func=F.silu if model.gated_ffn else F.gelu, add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias, qk_layernorm=model.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
@@ -86,7 +87,8 @@ def _build_chunks(model: ModelSpec, spec: RunSpec, config: Any) -> list[torch.nn
         stage = vp_stage if spec.vpp > 1 else None
         # Local-spec layers whose norms are torch norms marked for sequence parallel (megatron_norm.py).
         block_spec = gpt_block_spec(config, num_experts=model.num_experts if model.is_moe else None,
-                                    normalization="RMSNorm" if model.gated_ffn else "LayerNorm", vp_stage=stage)
+                                    normalization="RMSNorm" if model.gated_ffn else "LayerNorm", vp_stage=stage,
+                                    qk_layernorm=model.qk_norm)
         chunks.append(GPTModel(
             config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size(spec.tp),
             max_sequence_length=model.seq_length,
