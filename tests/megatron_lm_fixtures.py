@@ -113,7 +113,7 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         rotary_interleaved=False, use_rope_scaling=False, apply_layernorm_1p=False, squared_relu=False,
         openai_gelu=False,
         seq_length=m.seq_length, max_position_embeddings=m.seq_length, tokenizer_type="HuggingFaceTokenizer",
-        vocab_file=None, num_experts=m.num_experts or None, moe_ffn_hidden_size=m.ffn_hidden_size if m.is_moe else None,
+        vocab_file=None, num_experts=m.num_experts or None, moe_ffn_hidden_size=m.expert_ffn_hidden_size if m.is_moe else None,
         moe_router_topk=m.moe_top_k, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
         multi_latent_attention=False, mtp_num_layers=None,
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,

@@ -1,10 +1,13 @@
-"""Qwen2 (QKV biases) and Qwen3 (per-head QK RMSNorm) checkpoints, as Megatron-LM writes them, across layouts.
+"""Qwen2 (QKV biases), Qwen3 (per-head QK RMSNorm) and Qwen3-MoE (Qwen3 attention, routed experts narrower than
+the dense FFN) checkpoints, as Megatron-LM writes them, across layouts.
 
-Each family is Megatron-Core's own GPTModel with the matching switches (`add_qkv_bias`, `qk_layernorm`), trained on
+Each family is Megatron-Core's own GPTModel with the matching switches (`add_qkv_bias`, `qk_layernorm`,
+`num_moe_experts` with `moe_ffn_hidden_size`), trained on
 Gloo ranks and saved the way Megatron-LM's `checkpointing.py` does (tests/megatron_lm_fixtures.py). Its args alone
-say the architecture. Converted across TP, PP and DP (world sizes 1 to 4, both checkpoint formats), the result is
+say the architecture. Converted across TP, PP, EP and DP (world sizes 1 to 4, both checkpoint formats), the result is
 loaded by Megatron-LM's load path at the target layout with every weight, fp32 master and Adam state equal to the
-source's; converted to HF, transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM` takes the folder and gives
+source's; converted to HF, transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` takes the
+folder and gives
 Megatron-Core's own logits. A transformers-saved Qwen model converts the other way, and Megatron-Core's forward at
 TP 2 gives transformers' logits.
 """
@@ -24,11 +27,16 @@ pytestmark = pytest.mark.slow
 
 QWEN2 = dataclasses.replace(LLAMA, architecture="qwen2", rotary_base=1000000.0, norm_eps=1e-6)
 QWEN3 = dataclasses.replace(LLAMA, architecture="qwen3", rotary_base=1000000.0, norm_eps=1e-6)
-RUNS = {"qwen2": MegatronLMRun(tp=2, model=QWEN2), "qwen3": MegatronLMRun(tp=2, model=QWEN3)}
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# (family, target layout (tp, pp, dp), target format): TP shrunk, PP and DP grown, both Megatron formats
-CASES = [("qwen2", (1, 2, 2), "megatron"), ("qwen2", (1, 1, 2), "megatron-legacy"),
-         ("qwen3", (1, 2, 1), "megatron"), ("qwen3", (1, 1, 2), "megatron-legacy")]
+QWEN3_MOE = dataclasses.replace(QWEN3, architecture="qwen3_moe", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=48)
+MODELS = {"qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+RUNS = {"qwen2": MegatronLMRun(tp=2, model=QWEN2), "qwen3": MegatronLMRun(tp=2, model=QWEN3),
+        "qwen3_moe": MegatronLMRun(dp=2, ep=2, model=QWEN3_MOE)}
+CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# (family, target layout (tp, pp, dp, ep), target format): TP and EP shrunk, PP and DP grown, both Megatron formats
+CASES = [("qwen2", (1, 2, 2, 1), "megatron"), ("qwen2", (1, 1, 2, 1), "megatron-legacy"),
+         ("qwen3", (1, 2, 1, 1), "megatron"), ("qwen3", (1, 1, 2, 1), "megatron-legacy"),
+         ("qwen3_moe", (1, 1, 1, 1), "megatron"), ("qwen3_moe", (1, 2, 2, 2), "megatron"),
+         ("qwen3_moe", (1, 1, 1, 1), "megatron-legacy")]
 
 
 @pytest.fixture(scope="session")
@@ -46,18 +54,23 @@ def qwen_checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family,layout,to", CASES, ids=[f"{f}-to-{t}-tp{a}pp{b}dp{c}" for f, (a, b, c), t in CASES])
+@pytest.mark.parametrize("family,layout,to", CASES,
+                         ids=[f"{f}-to-{t}-tp{a}pp{b}dp{c}ep{d}" for f, (a, b, c, d), t in CASES])
 def test_megatron_lm_loads_the_qwen_conversion_with_every_state_equal(qwen_checkpoint, tmp_path, family, layout, to):
     src, saved, truth = qwen_checkpoint(family)
     index = read_index(src)
     assert index.meta["arch"]["architecture"] == family  # from the args' add_qkv_bias / qk_layernorm alone
-    extra = {"qwen2": "self_attn.q_proj.bias", "qwen3": "self_attn.q_norm.weight"}[family]
-    assert f"layers.1.{extra}" in {e.key.name for e in index.entries}
-    tp, pp, dp = layout
+    extra = {"qwen2": "self_attn.q_proj.bias", "qwen3": "self_attn.q_norm.weight",
+             "qwen3_moe": "mlp.experts.3.down_proj.weight"}[family]
+    names = {e.key.name: e.shape for e in index.entries}
+    assert f"layers.1.{extra}" in names
+    if family == "qwen3_moe":  # the experts' own width, not the dense FFN's
+        assert names["layers.1.mlp.experts.3.down_proj.weight"] == (64, 48)
+    tp, pp, dp, ep = layout
     dst = tmp_path / "converted"
-    convert(src, dst, to=to, tp=tp, pp=pp, dp=dp)
+    convert(src, dst, to=to, tp=tp, pp=pp, dp=dp, ep=ep)
     run = RUNS[family]
-    target = dataclasses.replace(run, tp=tp, pp=pp, dp=dp, ckpt_format="torch" if to == "megatron-legacy" else
+    target = dataclasses.replace(run, tp=tp, pp=pp, dp=dp, ep=ep, ckpt_format="torch" if to == "megatron-legacy" else
                                  "torch_dist")
     loaded = load_megatron_lm(target, dst, tmp_path / "loaded")
     assert all(r["adam_steps"] == saved[0]["adam_steps"] == [float(run.steps)] for r in loaded)
@@ -68,7 +81,7 @@ def test_megatron_lm_loads_the_qwen_conversion_with_every_state_equal(qwen_check
     assert not unequal, f"differ from the {family} source after Megatron-LM's load at {layout}: {unequal}"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_transformers_loads_the_qwen_conversion_and_gives_megatron_logits(qwen_checkpoint, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -87,19 +100,21 @@ def test_transformers_loads_the_qwen_conversion_and_gives_megatron_logits(qwen_c
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_a_transformers_qwen_model_converts_to_megatron_and_gives_its_logits(tmp_path, family):
-    """A `save_pretrained` Qwen folder -> Megatron at TP 2 (a pretrained start): Megatron-Core's forward on it gives
-    transformers' logits."""
+    """A `save_pretrained` Qwen folder -> Megatron at TP 2 (EP 2 for the MoE; a pretrained start): Megatron-Core's
+    forward on it gives transformers' logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    m = {"qwen2": QWEN2, "qwen3": QWEN3}[family]
+    m = MODELS[family]
+    moe = dict(num_experts=m.num_experts, num_experts_per_tok=m.moe_top_k, moe_intermediate_size=m.moe_ffn_hidden_size,
+               norm_topk_prob=True) if m.is_moe else {}
     config = AutoConfig.for_model(family, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
                                   intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
                                   num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
                                   head_dim=m.head_dim, rms_norm_eps=m.norm_eps, tie_word_embeddings=False,
                                   max_position_embeddings=m.seq_length,
-                                  rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base})
+                                  rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base}, **moe)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # the biases and q/k norms away from their init, so that a wrong mapping shows
@@ -108,32 +123,36 @@ def test_a_transformers_qwen_model_converts_to_megatron_and_gives_its_logits(tmp
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
     hf.save_pretrained(tmp_path / "hf")
     dst = tmp_path / "mcore"
-    convert(tmp_path / "hf", dst, to="megatron", tp=2)
+    layout = {"tp": 1, "ep": 2, "dp": 2} if m.is_moe else {"tp": 2}
+    convert(tmp_path / "hf", dst, to="megatron", **layout)
     tokens = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens).logits
-    got = megatron_logits(MegatronLMRun(tp=2, model=m), dst, tokens)
+    got = megatron_logits(MegatronLMRun(model=m, **layout), dst, tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_the_built_in_decoder_is_transformers_qwen(family):
-    """The FSDP and DeepSpeed engines' decoder for a Qwen spec is transformers' model: its weights, under the HF
-    names, load into Qwen2/Qwen3ForCausalLM (built from the config.json the HF writer renders) with nothing
-    missing or unexpected, and the logits agree."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_the_built_in_decoder_is_transformers_qwen(tmp_path, family):
+    """The FSDP and DeepSpeed engines' decoder for a Qwen spec is transformers' model: its weights under the HF
+    names, beside the config.json the HF writer renders, load with `from_pretrained` into Qwen2/Qwen3/Qwen3-Moe
+    ForCausalLM with nothing missing or unexpected, and the logits agree."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     from checkpoint.formats.hf_config import config_json, fields_from_model_spec
     from migrate.workload.torch_model import build_decoder, rotary_tables
 
-    spec = {"qwen2": QWEN2, "qwen3": QWEN3}[family]
+    spec = MODELS[family]
     decoder = build_decoder(spec, seed=3)
     config = config_json(fields_from_model_spec(dataclasses.asdict(spec), origin="spec"), vocab_rows=spec.vocab_size,
                          dtype="float32")
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
-    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in decoder.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v.contiguous() for k, v in decoder.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(hf).__name__ == CLASSES[family]
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         x = decoder.embed_tokens(tokens)

@@ -23,7 +23,8 @@ from migrate.workload.torch_model import build_decoder
 
 SPECS = {"llama": TINY_LLAMA, "mixtral": TINY_MIXTRAL, "gpt": dataclasses.replace(TINY_LLAMA, architecture="gpt"),
          "qwen2": dataclasses.replace(TINY_LLAMA, architecture="qwen2"),
-         "qwen3": dataclasses.replace(TINY_LLAMA, architecture="qwen3")}
+         "qwen3": dataclasses.replace(TINY_LLAMA, architecture="qwen3"),
+         "qwen3_moe": dataclasses.replace(TINY_MIXTRAL, architecture="qwen3_moe", moe_ffn_hidden_size=48)}
 HF_EXAMPLES = {
     "llama": {"layers.1.self_attn.k_proj.weight": "model.layers.1.self_attn.k_proj.weight",
               "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"},
@@ -38,6 +39,8 @@ HF_EXAMPLES = {
             "layers.0.mlp.down_proj.weight": "model.layers.0.mlp.c_proj.weight", "norm.bias": "model.norm.bias"},
     "qwen2": {"layers.1.self_attn.v_proj.bias": "model.layers.1.self_attn.v_proj.bias"},  # Qwen2ForCausalLM
     "qwen3": {"layers.0.self_attn.k_norm.weight": "model.layers.0.self_attn.k_norm.weight"},  # Qwen3ForCausalLM
+    "qwen3_moe": {"layers.1.mlp.experts.2.up_proj.weight": "model.layers.1.mlp.experts.2.up_proj.weight",
+                  "layers.0.mlp.gate.weight": "model.layers.0.mlp.gate.weight"},  # Qwen3MoeForCausalLM
 }
 
 

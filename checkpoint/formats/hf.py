@@ -95,7 +95,7 @@ def _architecture(root: Path, config: Mapping[str, Any] | None, header: Mapping[
     if any(".block_sparse_moe." in n for n in names):
         return "mixtral"
     if any(n.endswith(".self_attn.q_norm.weight") for n in names):
-        return "qwen3"
+        return "qwen3_moe" if any(".mlp.experts." in n for n in names) else "qwen3"
     if any(n.endswith(".self_attn.q_proj.bias") for n in names):
         return "qwen2"
     return "gpt" if any(".mlp.c_fc." in n for n in names) else "llama"

@@ -23,7 +23,8 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
               "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral"),
               "gpt": ("Starcoder2Config", "Starcoder2ForCausalLM", "starcoder2"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +45,7 @@ class ModelFields:
     norm_eps: float
     max_position_embeddings: int
     origin: str
+    moe_ffn_hidden_size: int = 0  # each expert's inner width; 0: ffn_hidden_size
 
 
 def _need(d: Mapping[str, Any], field: str, origin: str) -> Any:
@@ -63,7 +65,8 @@ def fields_from_model_spec(spec: Mapping[str, Any], *, origin: str) -> ModelFiel
         vocab_size=int(_need(spec, "vocab_size", origin)), tied_embeddings=bool(spec.get("tied_embeddings", False)),
         num_experts=int(spec.get("num_experts") or 0), moe_top_k=int(spec.get("moe_top_k") or 2),
         rope_theta=float(_need(spec, "rotary_base", origin)), norm_eps=float(_need(spec, "norm_eps", origin)),
-        max_position_embeddings=int(_need(spec, "seq_length", origin)), origin=origin)
+        max_position_embeddings=int(_need(spec, "seq_length", origin)), origin=origin,
+        moe_ffn_hidden_size=int(spec.get("moe_ffn_hidden_size") or 0))
 
 
 def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFields:
@@ -86,7 +89,9 @@ def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFie
         architecture=family, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
         ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
         num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), vocab_size=int(c.vocab_size),
-        tied_embeddings=bool(c.tie_word_embeddings), num_experts=int(getattr(c, "num_local_experts", 0) or 0),
+        tied_embeddings=bool(c.tie_word_embeddings),
+        num_experts=int(getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0) or 0),
+        moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0),
         moe_top_k=int(getattr(c, "num_experts_per_tok", 2) or 2),
         rope_theta=float(_need({"rope_theta": theta}, "rope_theta", origin)),
         norm_eps=float(_need({"norm_eps": getattr(c, "rms_norm_eps", getattr(c, "norm_epsilon", None))}, "norm_eps",
@@ -121,7 +126,7 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
         moe_top_k=int(args.get("moe_router_topk") or 2), rope_theta=float(args.get("rotary_base") or 10000),
         norm_eps=float(args.get("norm_epsilon") or 1e-5),
         max_position_embeddings=int(args.get("max_position_embeddings") or _need(args, "seq_length", origin)),
-        origin=origin)
+        origin=origin, moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or 0) if experts else 0)
 
 
 def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str, Any]:
@@ -146,10 +151,15 @@ def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str
         if fields.architecture == "mixtral":
             extra |= dict(num_local_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
                           sliding_window=None)
-        if fields.architecture in ("qwen2", "qwen3"):  # the weights' own dense layers, full attention
-            extra |= dict(use_sliding_window=False, sliding_window=None, max_window_layers=fields.num_layers,
-                          layer_types=["full_attention"] * fields.num_layers, hidden_act="silu",
-                          bos_token_id=None, eos_token_id=None)
+        if fields.architecture == "qwen3_moe":  # every layer MoE, Megatron-Core's normalised top-k weights
+            extra |= dict(num_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
+                          moe_intermediate_size=fields.moe_ffn_hidden_size or fields.ffn_hidden_size,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        if fields.architecture in ("qwen2", "qwen3", "qwen3_moe"):  # full attention in every layer
+            extra |= dict(use_sliding_window=False, sliding_window=None, hidden_act="silu", bos_token_id=None,
+                          eos_token_id=None)
+        if fields.architecture in ("qwen2", "qwen3"):
+            extra |= dict(max_window_layers=fields.num_layers, layer_types=["full_attention"] * fields.num_layers)
     config = getattr(transformers, config_cls)(**common, **extra)
     return json.loads(config.to_json_string(use_diff=True))
 

@@ -862,9 +862,14 @@ def _global_batch(source: CheckpointIndex) -> int | None:
 
 def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
     """The layers' empty `_extra_state` ShardedObjects a torch_dist checkpoint holds and a source without them
-    (another format, the legacy files) lacks: (key, [None]) per layer and module."""
-    return [[f"{mod}._extra_state/shard_{i}_{arch.num_layers}", [None]]
-            for i in range(arch.num_layers) for mod in _EXTRA_STATE_MODULES]
+    (another format, the legacy files) lacks: (key, [None]) per layer and module, per (layer, expert) for the
+    experts' linears."""
+    layers, experts = arch.num_layers, arch.num_experts
+    dense = _EXTRA_STATE_MODULES if not experts else _EXTRA_STATE_MODULES[:2]
+    out = [[f"{mod}._extra_state/shard_{i}_{layers}", [None]] for i in range(layers) for mod in dense]
+    # an MoE layer's experts: one object per (layer, expert), sharded over both (Megatron-Core's SequentialMLP)
+    return out + [[f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}", [None]]
+                  for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
 
 
 def legacy_meta_for_dist(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:

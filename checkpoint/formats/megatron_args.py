@@ -57,8 +57,10 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
         ("add_bias_linear", bool(a.get("add_bias_linear", True)), "linear-layer biases"),
         ("add_qkv_bias", qkv_bias and (not swiglu or experts or qk_norm),
          "QKV biases outside a dense SwiGLU model without QK layernorm (the rules map them as Qwen2)"),
-        ("qk_layernorm", qk_norm and (not swiglu or experts),
-         "QK layernorm outside a dense SwiGLU model (the rules map it as Qwen3)"),
+        ("qk_layernorm", qk_norm and not swiglu,
+         "QK layernorm outside a SwiGLU model (the rules map it as Qwen3 and Qwen3-MoE)"),
+        ("moe_router_pre_softmax", experts and bool(a.get("moe_router_pre_softmax", False)),
+         "softmax over every expert before top-k (HF's norm_topk_prob=false); the rules map normalised top-k"),
         ("multi_latent_attention", bool(a.get("multi_latent_attention", False)), "multi-latent attention"),
         ("mtp_num_layers", bool(a.get("mtp_num_layers")), "multi-token-prediction layers"),
         ("moe_shared_expert_intermediate_size", bool(a.get("moe_shared_expert_intermediate_size")), "shared experts"),
@@ -72,9 +74,6 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
         out.append(f"kv_channels={kv} with num_attention_heads={heads} and hidden_size={hidden} (a head size other "
                    f"than hidden_size / heads)")
     if a.get("num_experts"):
-        moe_ffn = a.get("moe_ffn_hidden_size")
-        if moe_ffn is not None and int(moe_ffn) != int(a["ffn_hidden_size"]):
-            out.append(f"moe_ffn_hidden_size={moe_ffn} != ffn_hidden_size={a['ffn_hidden_size']} (expert FFN size)")
         freq = a.get("moe_layer_freq", 1)
         if freq not in (1, None):
             out.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
@@ -88,7 +87,8 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
 def arch_from_args(args: Any, *, where: str) -> ArchSpec:
     """The rules' architecture of a Megatron-LM run from its saved `args`.
 
-    SwiGLU + RMSNorm is the llama family (mixtral with `num_experts`), GELU + LayerNorm the gpt family, both
+    SwiGLU + RMSNorm is the llama family (mixtral with `num_experts`; qwen2, qwen3 and qwen3_moe with QKV biases
+    or QK layernorm: `family_of_args`), GELU + LayerNorm the gpt family, both
     with rotary positions and no linear biases. The vocabulary is `vocab_size` when the run set it, else the
     padded size (the padding rows are then carried as rows). Raises CheckpointFormatError naming `where` and
     every missing field, or every feature the rules do not map yet."""
@@ -117,6 +117,7 @@ def arch_from_args(args: Any, *, where: str) -> ArchSpec:
         return ArchSpec(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
                         ffn_hidden_size=int(a["ffn_hidden_size"]), num_attention_heads=heads, num_query_groups=groups,
                         vocab_size=int(a.get("vocab_size") or a["padded_vocab_size"]), num_experts=experts,
+                        moe_ffn_hidden_size=int(a.get("moe_ffn_hidden_size") or 0) if experts else 0,
                         make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by") or 128),
                         tied_embeddings=not bool(a.get("untie_embeddings_and_output_weights", False)))
     except (TypeError, ValueError) as err:
@@ -223,11 +224,14 @@ def synthesized_args(arch: ArchSpec, fields: ModelFields | None, *, iteration: i
         "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
         "num_query_groups": arch.num_query_groups, "kv_channels": arch.head_dim, "swiglu": swiglu,
         "normalization": "RMSNorm" if swiglu else "LayerNorm", "add_bias_linear": False,
-        "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture == "qwen3", "untie_embeddings_and_output_weights": not arch.tied_embeddings,
+        "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture in ("qwen3", "qwen3_moe"),
+        "untie_embeddings_and_output_weights": not arch.tied_embeddings,
         "vocab_size": arch.vocab_size, "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
         "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
         "use_rope_scaling": False, "apply_layernorm_1p": False, "squared_relu": False, "openai_gelu": False,
-        "num_experts": arch.num_experts or None, "iteration": iteration, "no_save_rng": True,
+        "num_experts": arch.num_experts or None,
+        "moe_ffn_hidden_size": arch.expert_ffn_hidden_size if arch.num_experts else None,
+        "iteration": iteration, "no_save_rng": True,
         "no_save_optim": True if weights_only else None, "consumed_valid_samples": 0, "skipped_train_samples": 0}
     if fields is not None:
         a |= {"norm_epsilon": fields.norm_eps, "rotary_base": fields.rope_theta,

@@ -36,6 +36,7 @@ class ArchSpec:
     num_experts: int = 0
     make_vocab_size_divisible_by: int = 1
     tied_embeddings: bool = False
+    moe_ffn_hidden_size: int = 0  # each expert's inner width (Megatron's --moe-ffn-hidden-size); 0: ffn_hidden_size
 
     def __post_init__(self) -> None:
         if self.architecture not in RULES:
@@ -47,6 +48,14 @@ class ArchSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def ffn_of(self, rule: "TensorRule") -> int:
+        """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
+        return self.expert_ffn_hidden_size if rule.scope == "expert" else self.ffn_hidden_size
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's rule: vocab padded to a multiple of make_vocab_size_divisible_by * tp."""
@@ -61,7 +70,7 @@ class ArchSpec:
 # HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary; Qwen2's QKV
 # biases, Qwen3's per-head q/k RMSNorm)
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt", "qwen2": "qwen2",
-                  "qwen3": "qwen3"}
+                  "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 def _check_hf_attention(c: Mapping[str, Any], kind: str, where: str) -> None:
@@ -73,9 +82,21 @@ def _check_hf_attention(c: Mapping[str, Any], kind: str, where: str) -> None:
         raise CheckpointFormatError(f"{where}: head_dim={head_dim} differs from hidden_size({c['hidden_size']}) / "
                                     f"num_attention_heads({heads}) = {int(c['hidden_size']) // heads}; the rules map "
                                     f"models whose head_dim is hidden_size / num_attention_heads")
-    if kind in ("llama", "qwen3") and c.get("attention_bias"):
+    if kind in ("llama", "qwen3", "qwen3_moe") and c.get("attention_bias"):
         raise CheckpointFormatError(f"{where}: {c.get('model_type')} with attention_bias=True (q/k/v/o biases): the "
                                     f"rules map it without biases; qwen2 has q/k/v biases")
+
+
+def _check_qwen3_moe(c: Mapping[str, Any], where: str) -> None:
+    """Refuse, naming the field, a Qwen3-MoE config with dense layers among its MoE layers or un-normalised top-k
+    weights (Megatron-Core's router normalises the top-k probabilities)."""
+    step, dense = int(c.get("decoder_sparse_step", 1) or 1), list(c.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise CheckpointFormatError(f"{where}: qwen3_moe with decoder_sparse_step={step} mlp_only_layers={dense} "
+                                    f"(dense layers between MoE layers): the rules map models whose every layer is MoE")
+    if not c.get("norm_topk_prob", False):
+        raise CheckpointFormatError(f"{where}: qwen3_moe with norm_topk_prob={c.get('norm_topk_prob', False)!r}: "
+                                    f"Megatron-Core's router normalises the top-k weights (norm_topk_prob=true)")
 
 
 def family_of_args(args: Mapping[str, Any]) -> str:
@@ -84,7 +105,7 @@ def family_of_args(args: Mapping[str, Any]) -> str:
     if not args.get("swiglu"):
         return "gpt"
     if int(args.get("num_experts") or 0):
-        return "mixtral"
+        return "qwen3_moe" if args.get("qk_layernorm") else "mixtral"
     if args.get("qk_layernorm"):
         return "qwen3"
     return "qwen2" if args.get("add_qkv_bias") else "llama"
@@ -107,12 +128,17 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
                 raise CheckpointFormatError(f"{where}: starcoder2 with use_bias={c.get('use_bias', True)} (linear "
                                             f"biases): the rules map bias-free models only")
             heads = int(c["num_attention_heads"])
+            # Qwen3-MoE's own configs say num_experts, transformers 5 writes num_local_experts (its attribute_map)
+            experts = {"mixtral": int(c.get("num_local_experts", 0)),
+                       "qwen3_moe": int(c.get("num_local_experts") or c.get("num_experts") or 0)}
+            if kind == "qwen3_moe":
+                _check_qwen3_moe(c, where)
             return ArchSpec(architecture=kind, num_layers=int(c["num_hidden_layers"]),
                             hidden_size=int(c["hidden_size"]),
                             ffn_hidden_size=int(c["intermediate_size"]), num_attention_heads=heads,
                             num_query_groups=int(c.get("num_key_value_heads") or heads),
-                            vocab_size=int(c["vocab_size"]),
-                            num_experts=int(c.get("num_local_experts", 0)) if kind == "mixtral" else 0,
+                            vocab_size=int(c["vocab_size"]), num_experts=experts.get(kind, 0),
+                            moe_ffn_hidden_size=int(c.get("moe_intermediate_size") or 0) if kind == "qwen3_moe" else 0,
                             tied_embeddings=bool(c.get("tie_word_embeddings", kind == "gpt")))  # HF's defaults
         heads = int(c["num_attention_heads"])
         groups = c.get("num_query_groups", c.get("query_groups")) or heads
@@ -120,6 +146,7 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
                         hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["ffn_hidden_size"]),
                         num_attention_heads=heads, num_query_groups=int(groups), vocab_size=int(c["vocab_size"]),
                         num_experts=int(c.get("num_experts") or 0),
+                        moe_ffn_hidden_size=int(c.get("moe_ffn_hidden_size") or 0),
                         make_vocab_size_divisible_by=int(c.get("make_vocab_size_divisible_by", 128)),
                         tied_embeddings=bool(c.get("tied_embeddings", False)))
     except KeyError as err:
@@ -226,8 +253,10 @@ RULES: dict[str, ArchRules] = {
                        model=_model_rules(bias=False)),
     "qwen3": ArchRules(name="qwen3", layer=_layer_rules(bias=False, moe=False, qk_norm=True),
                        model=_model_rules(bias=False)),
+    "qwen3_moe": ArchRules(name="qwen3_moe", layer=_layer_rules(bias=False, moe=True, qk_norm=True),
+                           model=_model_rules(bias=False)),
 }
-SWIGLU_ARCHITECTURES = ("llama", "mixtral", "qwen2", "qwen3")
+SWIGLU_ARCHITECTURES = ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 OUTPUT_KEY = "output_layer.weight"
@@ -253,7 +282,7 @@ def holds_output_copy(arch: ArchSpec, pp: int, vpp: int) -> bool:
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
 def matrix_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ...]:
     """Global shape of one layer's (expert's) tensor, vocab padded for `tp`."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
+    h, f = arch.hidden_size, arch.ffn_of(rule)
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
     table = {
         "embedding.word_embeddings.weight": (arch.padded_vocab(tp), h),
@@ -304,7 +333,7 @@ def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
             pos += (per + 2) * hd
         return tuple(out)
     if rule.fuse == "glu":
-        f = arch.ffn_hidden_size
+        f = arch.ffn_of(rule)
         return (Segment(part="gate", start=0, length=f, dst=0), Segment(part="up", start=f, length=f, dst=0))
     if rule.vocab:
         return (Segment(part="", start=0, length=arch.vocab_size, dst=0),)
@@ -378,9 +407,9 @@ def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tu
     if rule.tp_dim != 0 or tp == 1:
         return ((0, rows),)
     if rule.fuse == "glu":
-        f = arch.ffn_hidden_size
+        f = arch.ffn_of(rule)
         if f % tp:
-            raise CheckpointFormatError(f"{rule.key}: ffn_hidden_size({f}) is not divisible by tp({tp})")
+            raise CheckpointFormatError(f"{rule.key}: FFN width {f} is not divisible by tp({tp})")
         n = f // tp
         return ((tp_rank * n, n), (f + tp_rank * n, n))
     if rule.fuse == "qkv" and arch.num_query_groups % tp:

@@ -99,6 +99,15 @@ TABLES: dict[str, tuple[NameRow, ...]] = {
         *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight")
           for q in ("q", "k")),
         *_llama_mlp(), *_ends("weight"))),
+    # Qwen3MoeForCausalLM (per-expert gate/up/down as save_pretrained writes them): Qwen3 attention, routed experts
+    "qwen3_moe": _without_torchtitan((
+        *_attention("weight"),
+        *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight")
+          for q in ("q", "k")),
+        NameRow("layers.{L}.mlp.gate.weight", "model.layers.{L}.mlp.gate.weight"),
+        *(NameRow(f"layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight", f"model.layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight")
+          for w in ("gate", "up", "down")),
+        *_ends("weight"))),
     # Starcoder2ForCausalLM with use_bias=False: LayerNorm (weight and bias), non-gated MLP c_fc/c_proj
     "gpt": _without_torchtitan((
         *(r for p in ("weight", "bias") for r in _attention(p) if "norm" in r.canonical),

@@ -179,9 +179,10 @@ class TargetSection(ClusterSection):
 class ModelSection(Section):
     """The model architecture (GPT/Llama decoder, or Mixtral-style MoE)."""
 
-    architecture: Literal["gpt", "llama", "mixtral", "qwen2", "qwen3"]
+    architecture: Literal["gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
     """gpt (LayerNorm, GeLU), llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), mixtral (llama with MoE
-    feed-forward layers), qwen2 (llama with q/k/v biases) or qwen3 (llama with per-head q/k RMSNorm)"""
+    feed-forward layers), qwen2 (llama with q/k/v biases), qwen3 (llama with per-head q/k RMSNorm) or qwen3_moe
+    (qwen3 with MoE feed-forward layers)"""
     num_layers: PositiveInt
     """transformer layers"""
     hidden_size: PositiveInt
@@ -200,6 +201,8 @@ class ModelSection(Section):
     """the output layer shares the input embedding's weight"""
     num_experts: int = Field(default=0, ge=0)
     """experts per MoE layer (0: dense)"""
+    moe_ffn_hidden_size: int = Field(default=0, ge=0)
+    """each expert's inner width (Megatron-LM's --moe-ffn-hidden-size); 0: ffn_hidden_size"""
     moe_top_k: PositiveInt = 2
     """experts each token is routed to"""
     make_vocab_size_divisible_by: PositiveInt = 128
@@ -216,13 +219,14 @@ class ModelSection(Section):
             raise ValueError(f"hidden_size({self.hidden_size}) is not divisible by num_attention_heads({heads})")
         if heads % groups:
             raise ValueError(f"num_attention_heads({heads}) is not divisible by num_query_groups({groups})")
-        if self.architecture == "mixtral":
+        if self.architecture in ("mixtral", "qwen3_moe"):
             if self.num_experts < 2:
-                raise ValueError(f"architecture 'mixtral' needs num_experts >= 2, got {self.num_experts}")
+                raise ValueError(f"architecture {self.architecture!r} needs num_experts >= 2, got {self.num_experts}")
             if self.moe_top_k > self.num_experts:
                 raise ValueError(f"moe_top_k({self.moe_top_k}) > num_experts({self.num_experts})")
         elif self.num_experts > 1:
-            raise ValueError(f"num_experts({self.num_experts}) needs architecture 'mixtral', got {self.architecture!r}")
+            raise ValueError(f"num_experts({self.num_experts}) needs architecture 'mixtral' or 'qwen3_moe', got "
+                             f"{self.architecture!r}")
         return self
 
     @property

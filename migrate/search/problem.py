@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from migrate.job.load import Job
+from migrate.workload.from_job import model_spec
 from migrate.workload.model_spec import LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
 from parallel_search.emit import Recipe
 from parallel_search.profiles import DeviceProfile, load_profile
@@ -12,12 +13,14 @@ from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
 def model_shape(job: Job) -> ModelShape:
     m = job.spec.model
-    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+    ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts else m.ffn_hidden_size  # every layer MoE
+    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn,
                       num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
                       vocab_size=m.vocab_size, seq_length=m.seq_length, gated_ffn=m.architecture != "gpt",
                       tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
                       make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                      qkv_bias=m.architecture == "qwen2", qk_layernorm=m.architecture == "qwen3")
+                      qkv_bias=m.architecture == "qwen2",
+                      qk_layernorm=m.architecture in ("qwen3", "qwen3_moe"))
 
 
 def training_shape(job: Job) -> TrainingShape:
@@ -47,13 +50,8 @@ def device_profile(job: Job, override: str | None = None) -> DeviceProfile:
 
 def workload_specs(job: Job, dataset_size: int = 4096) -> tuple[ModelSpec, TrainSpec]:
     """The built-in workload's model and recipe for the job (fp16 runs as bf16: the engines have no fp16)."""
-    m, t = job.spec.model, job.spec.training
-    model = ModelSpec(architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                      ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
-                      num_query_groups=m.query_groups, vocab_size=m.vocab_size, seq_length=m.seq_length,
-                      tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
-                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, rotary_base=m.rotary_base,
-                      norm_eps=m.norm_eps)
+    t = job.spec.training
+    model = model_spec(job.spec)
     opt = t.optimizer
     train = TrainSpec(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                       precision="fp32" if t.precision == "fp32" else "bf16",

@@ -22,6 +22,7 @@ def model_spec(job: JobSpec) -> ModelSpec:
         num_query_groups=m.query_groups, vocab_size=m.vocab_size, seq_length=m.seq_length,
         tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, rotary_base=m.rotary_base, norm_eps=m.norm_eps,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
     )
 
 

@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-Architecture = Literal["gpt", "llama", "mixtral", "qwen2", "qwen3"]
-ARCHITECTURES: tuple[str, ...] = ("gpt", "llama", "mixtral", "qwen2", "qwen3")
+Architecture = Literal["gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+ARCHITECTURES: tuple[str, ...] = ("gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 Precision = Literal["fp32", "bf16"]
 Engine = Literal["deepspeed", "megatron", "fsdp"]
 
@@ -21,7 +22,8 @@ class ModelSpec:
     """A GPT/Llama-style decoder; `mixtral` adds a top-k routed MoE FFN.
 
     gpt: LayerNorm + GELU FFN; llama/mixtral/qwen2/qwen3: RMSNorm + SwiGLU FFN; qwen2 adds q/k/v biases,
-    qwen3 a per-head RMSNorm of q and k before RoPE. All use rotary position embeddings and grouped-query
+    qwen3 a per-head RMSNorm of q and k before RoPE, qwen3_moe is qwen3 with mixtral's routed experts (each
+    `moe_ffn_hidden_size` wide). All use rotary position embeddings and grouped-query
     attention (`num_query_groups` KV heads).
     """
 
@@ -39,6 +41,7 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 1
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
+    moe_ffn_hidden_size: int = 0  # each expert's inner width; 0: ffn_hidden_size
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -55,13 +58,15 @@ class ModelSpec:
                              f"num_query_groups({self.num_query_groups})")
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(f"head dim {self.hidden_size}//{self.num_attention_heads} must be even for rotary")
-        if self.architecture == "mixtral":
+        if self.moe_ffn_hidden_size < 0:
+            raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be >= 0")
+        if self.architecture in MOE_ARCHITECTURES:
             if self.num_experts < 2:
-                raise ValueError(f"model.num_experts={self.num_experts}: mixtral needs >= 2 experts")
+                raise ValueError(f"model.num_experts={self.num_experts}: {self.architecture} needs >= 2 experts")
             if not 1 <= self.moe_top_k <= self.num_experts:
                 raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts({self.num_experts})]")
         elif self.num_experts not in (0, 1):
-            raise ValueError(f"model.num_experts={self.num_experts} needs architecture 'mixtral', "
+            raise ValueError(f"model.num_experts={self.num_experts} needs architecture 'mixtral' or 'qwen3_moe', "
                              f"got {self.architecture!r}")
 
     @property
@@ -70,7 +75,11 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
-        return self.architecture == "mixtral"
+        return self.architecture in MOE_ARCHITECTURES
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def gated_ffn(self) -> bool:
@@ -84,7 +93,7 @@ class ModelSpec:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (Qwen3; Megatron's qk_layernorm)."""
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "qwen3_moe")
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""

@@ -75,15 +75,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (gate/up/down) for llama/mixtral, GELU (up/down) for gpt."""
+    """SwiGLU (gate/up/down) for the llama family, GELU (up/down) for gpt; `width` the inner width."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, width: int | None = None) -> None:
         super().__init__()
         self.gated = spec.gated_ffn
+        width = width or spec.ffn_hidden_size
         if self.gated:
-            self.gate_proj = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=False)
+            self.gate_proj = nn.Linear(spec.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.gated else F.gelu(self.up_proj(x))
@@ -97,7 +98,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = spec.moe_top_k
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(spec) for _ in range(spec.num_experts))
+        self.experts = nn.ModuleList(MLP(spec, spec.expert_ffn_hidden_size) for _ in range(spec.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

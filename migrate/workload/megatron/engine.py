@@ -57,6 +57,7 @@ def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
     moe = {}
     if model.is_moe:
         moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_top_k,
+                   moe_ffn_hidden_size=model.expert_ffn_hidden_size,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
                    moe_router_load_balancing_type="none", moe_permute_fusion=False)
     return TransformerConfig(
