@@ -45,7 +45,7 @@ from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEn
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import roles
-from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_entries
+from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_kinds
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
 
 FORMAT = "deepspeed"
@@ -681,12 +681,10 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     tag, dtype, bf16 = m["tag"], m["dtype"], m["dtype"] == "bfloat16"
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g] for g in m["param_groups"]]
     src = source.by_key()
-    shapes = state_entries(source)
-    refuse_split_state(source, target="deepspeed", shapes=shapes,
+    refuse_split_state(source, target="deepspeed",
                        how=f"ZeRO-{zero_stage} flattens every parameter's state into one flat partition per rank")
-    flat_kinds = [k for k in dict.fromkeys(key.kind for key, sh in shapes.items() if sh is StateShape.ELEMENTWISE)]
-    scalar_kinds = [k for k in dict.fromkeys(key.kind for key, sh in shapes.items() if sh is StateShape.SCALAR)]
-    has_state, has_step = bool(flat_kinds), Kind.STEP in scalar_kinds
+    flat_kinds = state_kinds(source, StateShape.ELEMENTWISE)
+    scalar_kinds = state_kinds(source, StateShape.SCALAR)
     entries: list[TensorEntry] = []
     buffers: dict[str, list[TargetBuffer]] = {}
 
@@ -752,9 +750,9 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
     # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
     # writer itself, so the optimizer files are assembled in memory (the in-place path only copies buffers)
-    step = None if has_step else derived_step(source)
+    step = None if Kind.STEP in scalar_kinds else derived_step(source)
     meta = {**m, "model_state": model_state, "state_report": state_report,
-            "stage": zero_stage, "dp": dp, "flat_groups": flat_groups, "has_state": has_state,
+            "stage": zero_stage, "dp": dp, "flat_groups": flat_groups,
             "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
             "scalar_kinds": [str(k) for k in scalar_kinds],
             "derived_step": step, "writer_in_memory": step is not None}
