@@ -14,7 +14,7 @@ import numpy as np
 
 from convergence import checks
 from convergence.calibration import judge
-from convergence.series import Aligned, MetricSeries, RunMetrics, SeriesError, align, rekey_by
+from convergence.series import MetricSeries, RunMetrics, SeriesError, align, rekey_by
 from convergence.tolerances import Tolerances, tolerances_to_mapping
 from convergence.verdict import Verdict
 

@@ -111,7 +111,7 @@ def check_growth(code: str, what: str, trend: Trend | None, limit: float, unit: 
         return CheckResult(code=code, passed=False, details=details,
                            reason=f"{interval}: significantly above the limit of {limit:g} {unit} per {PER} steps")
     tail = ("" if trend.upper <= limit else
-            f"; not significantly above it, but the interval reaches past it: a longer run would tell")
+            "; not significantly above it, but the interval reaches past it: a longer run would tell")
     return CheckResult(code=code, passed=True, details=details,
                        reason=f"{interval}: within the limit of {limit:g} {unit} per {PER} steps{tail}")
 

@@ -279,7 +279,6 @@ def run_search(problem: Problem, profile: Callable[[Candidate, int], Measurement
     events: list[str] = []
     calls = hits = 0
     calibration = Calibration()
-    by_key = {c.key: c for c in feasible}
 
     def out_of_time() -> bool:
         return config.max_seconds is not None and clock() - started > config.max_seconds

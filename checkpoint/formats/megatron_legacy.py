@@ -165,7 +165,7 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
                                       f"{name}={layout[name]}")
     arch, overridden = arch_of_common(head, first, model_config)
     arch = _untied(arch, str(first))
-    tp, pp, ep, vpp = layout["tp"], layout["pp"], layout["ep"], layout["vpp"]
+    tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
     acc: dict[TensorKey, tuple[str, list[ChunkRef]]] = {}
     shapes = dict(canonical_tensors(arch))
 
