@@ -34,8 +34,7 @@ class Kind(StrEnum):
     STEP = "step"  # optimizer step count of the parameter (a 0-d tensor)
 
 
-ADAM_KINDS = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP)
-_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # an optimizer state's name: one identifier
 
 
 def state_kind(name: str) -> Kind | str:
@@ -44,7 +43,7 @@ def state_kind(name: str) -> Kind | str:
     cannot be one (empty, dotted: state names are single identifiers in every optimizer's state dict)."""
     if name in Kind._value2member_map_:
         return Kind(name)
-    if not isinstance(name, str) or not _STATE_NAME.match(name):
+    if not isinstance(name, str) or not STATE_NAME.match(name):
         raise CheckpointFormatError(f"optimizer state name {name!r} is not an identifier")
     return name
 

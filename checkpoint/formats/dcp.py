@@ -234,8 +234,8 @@ def _saved_layout(entries: Sequence[TensorEntry], world: int, root: Path) -> tup
 
 def _tensor_key(layout: DCPLayout, path: tuple[str, ...]) -> TensorKey | None:
     """The canonical key of the tensor at `path`: optimizer state, a model parameter, or None (carried as a value)."""
-    item = optimizer_item(path, () if layout.optimizer_root is None else (layout.optimizer_root,))
-    if item is not None and layout.optimizer_root is not None and item[0] == layout.optimizer_root:
+    root = layout.optimizer_root
+    if root is not None and (item := optimizer_item(path, (root,))) is not None and item[0] == root:
         return TensorKey(name=item[1], kind=state_kind(item[2]))
     name = param_name(layout, path)
     return None if name is None else TensorKey(name=name, kind=Kind.PARAM)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.index import STATE_NAME
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-_FLAT_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<kind>[A-Za-z_][A-Za-z0-9_]*)$")
-_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_FLAT_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<kind>" + STATE_NAME.pattern.strip("^$") + ")$")
 _FLAT_GROUP = re.compile(r"^param_groups\.(?P<fqn>.+)\.(?P<field>[^.]+)$")
 
 
@@ -62,7 +62,7 @@ def optimizer_item(path: Sequence[Any], roots: Collection[tuple[str, ...]] = ()
     """(optimizer root, param fqn, state name, flattened) when `path` is optimizer state, else None: Adam's state
     anywhere, a state of any other name under one of `roots` (`optimizer_roots`)."""
     p = tuple(str(x) for x in path)
-    if len(p) >= 3 and p[-3] == "state" and (p[-1] in ADAM_STATE or p[:-3] in roots) and _STATE_NAME.match(p[-1]):
+    if len(p) >= 3 and p[-3] == "state" and (p[-1] in ADAM_STATE or p[:-3] in roots) and STATE_NAME.match(p[-1]):
         return p[:-3], p[-2], p[-1], False
     if p and (m := _FLAT_STATE.match(p[-1])) and (m["kind"] in ADAM_STATE or p[:-1] in roots):
         return p[:-1], m["fqn"], m["kind"], True

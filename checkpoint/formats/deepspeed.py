@@ -45,7 +45,7 @@ from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEn
 from checkpoint.paths import tag_name
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.state.rng import roles
-from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_kinds
+from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_entries, state_kinds
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
 
 FORMAT = "deepspeed"
@@ -681,10 +681,11 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     tag, dtype, bf16 = m["tag"], m["dtype"], m["dtype"] == "bfloat16"
     groups = [[Param(name=n, shape=tuple(s)) for n, s in g] for g in m["param_groups"]]
     src = source.by_key()
-    refuse_split_state(source, target="deepspeed",
+    shapes = state_entries(source)
+    refuse_split_state(source, target="deepspeed", shapes=shapes,
                        how=f"ZeRO-{zero_stage} flattens every parameter's state into one flat partition per rank")
-    flat_kinds = state_kinds(source, StateShape.ELEMENTWISE)
-    scalar_kinds = state_kinds(source, StateShape.SCALAR)
+    flat_kinds = state_kinds(shapes, StateShape.ELEMENTWISE)
+    scalar_kinds = state_kinds(shapes, StateShape.SCALAR)
     entries: list[TensorEntry] = []
     buffers: dict[str, list[TargetBuffer]] = {}
 

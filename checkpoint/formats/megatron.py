@@ -22,7 +22,6 @@ maps onto any other, and onto other frameworks' formats.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -53,7 +52,7 @@ from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
                                              our_client_state, report_dict)
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
-                                       canonical_tensors, expert_range, flat_run_boxes, hf_order, holds_model_tensor,
+                                       canonical_shape, canonical_tensors, expert_range, flat_run_boxes, hf_order, holds_model_tensor,
                                        holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
                                        stored_rules, tp_local_cols, tp_local_rows)
 
@@ -146,7 +145,7 @@ def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | N
         if lo >= hi:
             continue
         name = canonical_name(rule, seg, layer, expert)
-        shape = _canon_shape(rule, arch, seg.part)
+        shape = canonical_shape(rule, arch, seg)
         if cols is None:
             out.append(_Piece(name=name, shape=shape, offsets=(seg.dst + lo - seg.start,), lengths=(hi - lo,),
                               storage_offset=start + lo - rows[0]))
@@ -155,14 +154,6 @@ def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | N
             out.append(_Piece(name=name, shape=shape, offsets=(seg.dst + lo - seg.start, c0), lengths=(hi - lo, nc),
                               storage_offset=start + (lo - rows[0]) * nc))
     return out
-
-
-@functools.cache
-def _canon_shape(rule: TensorRule, arch: ArchSpec, part: str) -> tuple[int, ...]:
-    m = matrix_shape(rule, arch)
-    if len(m) == 1 and rule.fuse == "none":
-        return m
-    return (sum(s.length for s in segments(rule, arch) if s.part == part), *m[1:])
 
 
 def box_pieces(rule: TensorRule, arch: ArchSpec, offsets: tuple[int, ...], lengths: tuple[int, ...],
@@ -758,8 +749,8 @@ def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None 
 
 
 # the modules whose (empty) `_extra_state` Megatron-Core saves as one ShardedObject per layer (local spec)
-_EXTRA_STATE_MODULES = ("decoder.layers.self_attention.linear_proj", "decoder.layers.self_attention.linear_qkv",
-                        "decoder.layers.mlp.linear_fc1", "decoder.layers.mlp.linear_fc2")
+_ATTENTION_EXTRA_STATE = ("decoder.layers.self_attention.linear_proj", "decoder.layers.self_attention.linear_qkv")
+_DENSE_MLP_EXTRA_STATE = ("decoder.layers.mlp.linear_fc1", "decoder.layers.mlp.linear_fc2")
 _TORCH_ADAMW_GROUP = {"amsgrad": False, "capturable": False, "decoupled_weight_decay": True, "differentiable": False,
                       "foreach": None, "fused": None, "maximize": False}
 
@@ -865,8 +856,8 @@ def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
     (another format, the legacy files) lacks: (key, [None]) per layer and module, per (layer, expert) for the
     experts' linears."""
     layers, experts = arch.num_layers, arch.num_experts
-    dense = _EXTRA_STATE_MODULES if not experts else _EXTRA_STATE_MODULES[:2]
-    out = [[f"{mod}._extra_state/shard_{i}_{layers}", [None]] for i in range(layers) for mod in dense]
+    per_layer = _ATTENTION_EXTRA_STATE + (() if experts else _DENSE_MLP_EXTRA_STATE)
+    out = [[f"{mod}._extra_state/shard_{i}_{layers}", [None]] for i in range(layers) for mod in per_layer]
     # an MoE layer's experts: one object per (layer, expert), sharded over both (Megatron-Core's SequentialMLP)
     return out + [[f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}", [None]]
                   for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
@@ -922,7 +913,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     (e.g. query groups not divisible by tp)."""
     refuse_shared_params(source, "megatron")
     refuse_frozen_params(source, "megatron")
-    refuse_unplaced_state(source, target="megatron", holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+    refuse_unplaced_state(source, target="megatron",
                           why="Megatron-Core's distributed optimizer saves Adam's param, exp_avg and exp_avg_sq")
     arch = source_arch(source, model_config)
     pretrained = is_weights_only(source)

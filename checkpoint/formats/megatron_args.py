@@ -224,7 +224,7 @@ def synthesized_args(arch: ArchSpec, fields: ModelFields | None, *, iteration: i
         "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
         "num_query_groups": arch.num_query_groups, "kv_channels": arch.head_dim, "swiglu": swiglu,
         "normalization": "RMSNorm" if swiglu else "LayerNorm", "add_bias_linear": False,
-        "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture in ("qwen3", "qwen3_moe"),
+        "add_qkv_bias": arch.qkv_bias, "qk_layernorm": arch.qk_norm,
         "untie_embeddings_and_output_weights": not arch.tied_embeddings,
         "vocab_size": arch.vocab_size, "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
         "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,

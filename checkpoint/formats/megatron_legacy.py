@@ -398,7 +398,7 @@ def legacy_args(arch: ArchSpec, layout: ParallelLayout, base: Mapping[str, Any] 
           "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_query_groups,
           "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
           "swiglu": arch.architecture in SWIGLU_ARCHITECTURES, "vocab_size": arch.vocab_size,
-          "add_qkv_bias": arch.architecture == "qwen2", "qk_layernorm": arch.architecture in ("qwen3", "qwen3_moe"),
+          "add_qkv_bias": arch.qkv_bias, "qk_layernorm": arch.qk_norm,
           "moe_ffn_hidden_size": arch.expert_ffn_hidden_size if arch.num_experts else None,
           "padded_vocab_size": arch.padded_vocab(layout.tp), "num_experts": arch.num_experts or None,
           "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
@@ -421,7 +421,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     Raises PlanError when the source lacks the optimizer state or the architecture."""
     refuse_shared_params(source, "megatron-legacy")
     refuse_frozen_params(source, "megatron-legacy")
-    refuse_unplaced_state(source, target="megatron-legacy", holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+    refuse_unplaced_state(source, target="megatron-legacy",
                           why="distrib_optim.pt holds Adam's param, exp_avg and exp_avg_sq per grad buffer")
     arch = _untied(source_arch(source, model_config), f"source {source.root}")
     m = source.meta if source.format in (FORMAT, DIST_FORMAT) else {**source.meta, **megatron_meta_from(source, arch)}

@@ -194,7 +194,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
         raise PlanError(f"universal target needs zero_stage in 1..3 and dp >= 1, got zero_stage={zero_stage} dp={dp}")
     refuse_tied_embeddings(source, FORMAT)
     refuse_frozen_params(source, FORMAT)
-    refuse_unplaced_state(source, target=FORMAT, holds=(Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP),
+    refuse_unplaced_state(source, target=FORMAT,
                           why="this writer writes DeepSpeed's fp32, exp_avg, exp_avg_sq and step files")
     m = source.meta if source.format in ds.DS_META_FORMATS else ds.deepspeed_meta_from(source)
     src = source.by_key()

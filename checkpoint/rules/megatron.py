@@ -53,6 +53,16 @@ class ArchSpec:
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
+    @property
+    def qkv_bias(self) -> bool:
+        """The fused QKV has a bias (Megatron's add_qkv_bias; Qwen2)."""
+        return QKV_BIAS_KEY in RULES[self.architecture].by_key()
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head q/k norms (Megatron's qk_layernorm; Qwen3, Qwen3-MoE)."""
+        return Q_NORM_KEY in RULES[self.architecture].by_key()
+
     def ffn_of(self, rule: "TensorRule") -> int:
         """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
         return self.expert_ffn_hidden_size if rule.scope == "expert" else self.ffn_hidden_size
@@ -170,6 +180,8 @@ class TensorRule:
 
 
 _LN = "decoder.layers.self_attention.linear_qkv.layer_norm_"
+QKV_BIAS_KEY = "decoder.layers.self_attention.linear_qkv.bias"
+Q_NORM_KEY = "decoder.layers.self_attention.q_layernorm.weight"
 _MLN = "decoder.layers.mlp.linear_fc1.layer_norm_"
 
 
@@ -187,8 +199,7 @@ def _layer_rules(bias: bool, moe: bool, qkv_bias: bool = False, qk_norm: bool = 
                    scope="layer", canonical="layers.{layer}.self_attn.{part}_proj.weight", tp_dim=0, fuse="qkv"),
     ]
     if qkv_bias:
-        rules.append(TensorRule(key="decoder.layers.self_attention.linear_qkv.bias",
-                                param="self_attention.linear_qkv.bias", scope="layer",
+        rules.append(TensorRule(key=QKV_BIAS_KEY, param="self_attention.linear_qkv.bias", scope="layer",
                                 canonical="layers.{layer}.self_attn.{part}_proj.bias", tp_dim=0, fuse="qkv"))
     if qk_norm:
         rules += [TensorRule(key=f"decoder.layers.self_attention.{q}_layernorm.weight",

@@ -49,7 +49,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.formats.megatron_paths import OPTIM_FILE
+from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE
 from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
@@ -501,7 +501,6 @@ def _inject_legacy(root: Path, fault: str, batches: int) -> list[Path]:
     `swap_glu_halves` edits the model's weights and, with the distributed optimizer, the gate and up ranges
     of its flat buffers (which the load copies into the weights); `swap_qkv_kv` is refused there;
     `swap_partitions` exchanges the first two rank directories' optimizer files."""
-    from checkpoint.formats.megatron_paths import MODEL_FILE, RANK_DIR_RE
     from checkpoint.state.rng import from_megatron, to_megatron
 
     if fault == "reset_lr":

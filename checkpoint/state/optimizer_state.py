@@ -23,6 +23,10 @@ from checkpoint.errors import PlanError
 from checkpoint.index import CheckpointIndex, Kind, TensorEntry, TensorKey, is_optimizer_state
 
 
+ADAM_SLOTS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.STEP)
+"""What a target with Adam's fixed slots holds (Megatron-Core's distributed optimizer, DeepSpeed universal)."""
+
+
 class StateShape(StrEnum):
     """How a per-parameter optimizer state tensor relates to its parameter's shape."""
 
@@ -51,9 +55,9 @@ def state_entries(index: CheckpointIndex) -> dict[TensorKey, StateShape]:
     return {e.key: state_shape(e, shapes.get(e.key.name)) for e in index.entries if is_optimizer_state(e.key.kind)}
 
 
-def state_kinds(index: CheckpointIndex, shape: StateShape) -> list[Kind | str]:
-    """The kinds of the optimizer state tensors of `index` with `shape`, in the order first met."""
-    return list(dict.fromkeys(k.kind for k, s in state_entries(index).items() if s is shape))
+def state_kinds(shapes: Mapping[TensorKey, StateShape], shape: StateShape) -> list[Kind | str]:
+    """The kinds among `shapes` (`state_entries`) with `shape`, in the order first met."""
+    return list(dict.fromkeys(k.kind for k, s in shapes.items() if s is shape))
 
 
 def _listing(keys: Collection[TensorKey]) -> str:
@@ -61,7 +65,8 @@ def _listing(keys: Collection[TensorKey]) -> str:
     return f"{len(names)} parameter(s), e.g. {names[0]}" if names else "no parameter"
 
 
-def refuse_unplaced_state(source: CheckpointIndex, *, target: str, holds: Collection[Kind | str], why: str) -> None:
+def refuse_unplaced_state(source: CheckpointIndex, *, target: str, why: str,
+                          holds: Collection[Kind | str] = ADAM_SLOTS) -> None:
     """Raise PlanError naming the source's optimizer state kinds that `target`'s files have no place for
     (`holds`: the kinds they keep; `why`: what the target's optimizer stores); a source without them passes."""
     by_kind: dict[Kind | str, list[TensorKey]] = {}

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from migrate.job.load import Job
 from migrate.workload.from_job import model_spec
-from migrate.workload.model_spec import LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
+from migrate.workload.model_spec import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, QKV_BIAS_ARCHITECTURES,
+                                         LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec)
 from parallel_search.emit import Recipe
 from parallel_search.profiles import DeviceProfile, load_profile
 from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
@@ -13,14 +14,15 @@ from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
 def model_shape(job: Job) -> ModelShape:
     m = job.spec.model
-    ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts else m.ffn_hidden_size  # every layer MoE
+    moe = m.architecture in MOE_ARCHITECTURES
+    ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if moe else m.ffn_hidden_size  # an MoE model's every layer is MoE
     return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn,
                       num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
                       vocab_size=m.vocab_size, seq_length=m.seq_length, gated_ffn=m.architecture != "gpt",
                       tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
                       make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                      qkv_bias=m.architecture == "qwen2",
-                      qk_layernorm=m.architecture in ("qwen3", "qwen3_moe"))
+                      qkv_bias=m.architecture in QKV_BIAS_ARCHITECTURES,
+                      qk_layernorm=m.architecture in QK_NORM_ARCHITECTURES)
 
 
 def training_shape(job: Job) -> TrainingShape:

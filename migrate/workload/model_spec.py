@@ -12,7 +12,9 @@ from typing import Literal
 
 Architecture = Literal["gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
 ARCHITECTURES: tuple[str, ...] = ("gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # routed-expert FFNs
+QKV_BIAS_ARCHITECTURES = ("qwen2",)  # q/k/v projections with biases
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm
 Precision = Literal["fp32", "bf16"]
 Engine = Literal["deepspeed", "megatron", "fsdp"]
 
@@ -88,12 +90,12 @@ class ModelSpec:
     @property
     def qkv_bias(self) -> bool:
         """q/k/v projections with biases (Qwen2; Megatron's add_qkv_bias)."""
-        return self.architecture == "qwen2"
+        return self.architecture in QKV_BIAS_ARCHITECTURES
 
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (Qwen3; Megatron's qk_layernorm)."""
-        return self.architecture in ("qwen3", "qwen3_moe")
+        return self.architecture in QK_NORM_ARCHITECTURES
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
