@@ -218,6 +218,7 @@ def measure_run(ctx: Any, spec: RunSpec) -> dict[str, Any]:
     CPU by the torch profiler's record of every tensor allocation (and the RSS growth beside it)."""
     import torch
 
+    from migrate.accelerator.tensor_peak import cpu_memory_events, tensor_peak
     from migrate.search.profiler import _PeakRss, _release_freed_memory
     from migrate.workload.engines import rank_entry
 
@@ -237,15 +238,11 @@ def measure_run(ctx: Any, spec: RunSpec) -> dict[str, Any]:
     with _PeakRss() as rss, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         baseline = rss.peak
         result = entry(ctx, spec)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return {"step_times_s": [m.step_time_s for m in result.metrics], "tensor_peak_bytes": int(peak),
+    measured = tensor_peak(cpu_memory_events(prof.profiler.kineto_results.experimental_event_tree()))
+    return {"step_times_s": [m.step_time_s for m in result.metrics], "tensor_peak_bytes": measured.peak_bytes,
             "measure": "torch profiler: peak of live CPU tensor bytes allocated during the run (steps timed under it)",
-            "rss_peak_bytes": int(rss.peak - baseline), "allocations": len(events)}
+            "rss_peak_bytes": int(rss.peak - baseline), "allocations": measured.events,
+            "unrecorded_frees": measured.unrecorded_frees}
 
 
 def _candidates(size: CheckSize) -> list[tuple[Any, ModelSpec]]:
@@ -310,7 +307,7 @@ def memory_and_step_time(device: str, size: CheckSize, deadline: float) -> StepR
                        total_ratio=estimate.total / max(measured["reserved_peak_bytes"], 1))
             row["under_predicted"] = row["under_predicted"] or estimate.total < measured["reserved_peak_bytes"]
         if "rss_peak_bytes" in measured:
-            row["measured_rss_bytes"] = measured["rss_peak_bytes"]
+            row.update(measured_rss_bytes=measured["rss_peak_bytes"], unrecorded_frees=measured["unrecorded_frees"])
         samples.append((len(rows) - 1, terms, step))
     for i, (index, terms, step) in enumerate(samples):  # the cost model calibrated on every other candidate
         others = [(t, s) for j, (_, t, s) in enumerate(samples) if j != i]
