@@ -27,6 +27,8 @@ from typing import Callable, Literal, Mapping
 
 import torch.distributed as dist
 
+from migrate.runtime.backend import BACKEND_DEVICES, DEFAULT_BACKEND
+
 NCCL_ENV_DOC = "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
 TORCH_NCCL_ENV_DOC = "https://pytorch.org/docs/stable/torch_nccl_environment_variables.html"
 TORCH_DIST_DOC = "https://pytorch.org/docs/stable/distributed.html"
@@ -45,19 +47,6 @@ TORCH_DDP_DOC = "https://pytorch.org/docs/stable/generated/torch.nn.parallel.Dis
 
 DEVICE_ALIASES: Mapping[str, str] = {"gpu": "cuda", "ascend": "npu", "intel_gpu": "xpu"}
 """Other names users write for a device type."""
-
-DEFAULT_BACKEND: Mapping[str, str] = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo", "xpu": "xccl"}
-"""Device type -> backend torch (and torch_npu) use by default."""
-
-BACKEND_DEVICES: Mapping[str, tuple[str, ...]] = {
-    "nccl": ("cuda",),
-    "hccl": ("npu",),
-    "gloo": ("cpu", "cuda"),
-    "xccl": ("xpu",),
-    "mpi": ("cpu", "cuda"),
-    "ucc": ("cpu", "cuda"),
-}
-"""Backend -> device types whose tensors it can move (Gloo also handles CUDA tensors)."""
 
 BACKEND_ENV_PREFIXES: Mapping[str, tuple[str, ...]] = {
     "nccl": ("NCCL_", "TORCH_NCCL_"),

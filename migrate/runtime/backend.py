@@ -1,40 +1,50 @@
-"""Which torch.distributed backend serves which device type.
+"""Which torch.distributed backend serves which device type: the one table of the project.
 
-The full adapter (multi-backend strings, backend environment, option mapping) lives in
-``migrate.comm``; this module holds the small table the worker group needs to start.
+The worker group reads it to start a process group; the communication adapter (``migrate.comm.backends``)
+reads it to select, probe and translate backends. A leaf module: no torch at import.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 
-DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu")
+DEFAULT_BACKEND: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
+"""Device type -> the backend torch (and torch_npu) use by default; its keys are the device types."""
 
-# device type -> (default backend, backends that can drive it)
-_BACKENDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "cpu": ("gloo", ("gloo", "mpi")),
-    "cuda": ("nccl", ("nccl", "gloo", "mpi")),
-    "npu": ("hccl", ("hccl",)),  # Gloo moves only CPU and CUDA tensors
-    "xpu": ("xccl", ("xccl",)),
+DEVICE_TYPES = tuple(DEFAULT_BACKEND)
+
+BACKEND_DEVICES: Mapping[str, tuple[str, ...]] = {
+    "nccl": ("cuda",),
+    "hccl": ("npu",),  # Gloo moves only CPU and CUDA tensors
+    "gloo": ("cpu", "cuda"),
+    "xccl": ("xpu",),
+    "mpi": ("cpu", "cuda"),
+    "ucc": ("cpu", "cuda"),
 }
+"""Backend -> device types whose tensors it can move."""
 
 
 class BackendError(ValueError):
     """A backend that cannot drive the chosen device type, or is not installed."""
 
 
+def _known(device_type: str) -> None:
+    if device_type not in DEFAULT_BACKEND:
+        raise BackendError(f"device type {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
+
+
 def default_backend(device_type: str) -> str:
     """The backend a job gets when it says ``backend: auto``."""
-    if device_type not in _BACKENDS:
-        raise BackendError(f"device type {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
-    return _BACKENDS[device_type][0]
+    _known(device_type)
+    return DEFAULT_BACKEND[device_type]
 
 
 def allowed_backends(device_type: str) -> tuple[str, ...]:
     """Backends that can drive ``device_type`` (first is the default)."""
-    if device_type not in _BACKENDS:
-        raise BackendError(f"device type {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
-    return _BACKENDS[device_type][1]
+    _known(device_type)
+    default = DEFAULT_BACKEND[device_type]
+    return (default, *(b for b, devices in BACKEND_DEVICES.items() if device_type in devices and b != default))
 
 
 def resolve_backend(device_type: str, backend: str) -> str:
@@ -64,7 +74,8 @@ def backend_available(backend: str) -> bool:
 
     if backend == "hccl":
         return importlib.util.find_spec("torch_npu") is not None
-    checks = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
+    checks = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
+              "ucc": dist.is_ucc_available}
     if backend in checks:
         return bool(checks[backend]())
     if backend == "xccl":
