@@ -7,7 +7,6 @@ Formats come from `checkpoint.formats.FORMATS`; nothing here names a format.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,11 +110,7 @@ def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, z
                         f"{', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
     index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
     target = spec.target(index, opts)
-    writer = spec.writer
-    if target.index.meta.get("writer_in_memory") and getattr(writer, "in_place", False):
-        # the target's files hold values the writer derives (not copied from the source): assemble in memory
-        writer = dataclasses.replace(writer, in_place=False)
-    return make_plan(index, target), writer
+    return make_plan(index, target), spec.writer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

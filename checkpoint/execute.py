@@ -2,14 +2,14 @@
 
 Call sequence (coordinator = the caller of `execute`):
 1. coordinator: check the destination is absent or empty, create it;
-2. workers (by default two threads of this process for in-place/streaming writers, else inline; a
+2. workers (by default two threads of this process for in-place/streaming targets, else inline; a
    local process pool, or any `map_fn` such as Ray tasks): for each target file allocate its
    buffers, fill them from memory-mapped source files, let the writer assemble the file's object,
-   save it to a temporary name, fsync, rename; return its CRC-32. For an `in_place` writer the
-   object is saved without tensor data first and each copy item's bytes go straight to their place
-   in that file (kernel file-to-file copies where possible); a `streaming` writer gets buffers
-   filled one at a time, as it asks for them, and writes each before asking for the next: either
-   way a worker holds at most one tensor. The disk's writeback of each file starts as its bytes
+   save it to a temporary name, fsync, rename; return its CRC-32. The target's `WriteMode` says how:
+   `IN_PLACE` saves the object without tensor data first and sends each copy item's bytes straight
+   to their place in that file (kernel file-to-file copies where possible); `STREAMING` fills
+   buffers one at a time, as the writer asks for them, and writes each before the next: either way a
+   worker holds at most one tensor. The disk's writeback of each file starts as its bytes
    land (`start_writeback`), so the fsync that ends a file waits for little and the disk works while
    the copies go on. An in-place file's CRC comes from the one pass that fills in its zip records'
    CRCs; any other file is read back once for its CRC;
@@ -57,7 +57,7 @@ from checkpoint.errors import CheckpointError, CheckpointFormatError, Destinatio
 from checkpoint.index import ChunkRef, KeyPath
 from checkpoint.overlap import global_flat_range, row_major_strides
 from checkpoint.paths import inside
-from checkpoint.plan import ConversionPlan, CopyItem, TargetFile
+from checkpoint.plan import ConversionPlan, CopyItem, TargetFile, WriteMode
 
 try:  # ISA-L's CRC-32 (carry-less multiply, ~10 GB/s, GIL released); zlib's gives the same values, slower
     from isal.isal_zlib import crc32 as _crc32
@@ -73,14 +73,11 @@ class Writer(Protocol):
     `assemble` returns bytes/str, a `StreamPayload`, or a torch-saveable object. A writer may also
     define `finalize(records, meta) -> {relative path: bytes}`: files the coordinator writes after all
     workers returned (it sees each record's `extra`, what a StreamPayload's `write` returned).
-    A writer with `in_place = True` promises that `assemble` returns a torch-saveable object holding
-    every buffer unchanged at its key path: the executor then saves the object without tensor data
-    and streams each copy item into the file (`_write_in_place`), so memory stays bounded by the
-    largest tensor, not by the file. 0-d buffers (e.g. Adam's step) are the exception: they arrive
-    filled, and the writer may store them as tensors at their key path or as Python numbers.
-    A writer with `streaming = True` gets a mapping that fills a buffer when it is looked up (anew
-    on every lookup, nothing kept) and must return a `StreamPayload` that looks up each buffer once
-    and writes it before looking up the next, so memory stays bounded by the largest tensor.
+    What `assemble` gets and must return depends on the target's `WriteMode` (`TargetSpec.write_mode`).
+    For `IN_PLACE` it returns a torch-saveable object holding every buffer unchanged at its key path
+    (`_write_in_place`); 0-d buffers (e.g. Adam's step) are the exception: they arrive filled, and the
+    writer may store them as tensors at their key path or as Python numbers. For `STREAMING` it gets
+    buffers filled on lookup and returns a `StreamPayload` that looks up each buffer once.
     """
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
@@ -414,25 +411,25 @@ def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileReco
 
 
 def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str,
-                      writer: Writer, meta: Mapping[str, Any], trust_checkpoint: bool,
+                      writer: Writer, mode: WriteMode, meta: Mapping[str, Any], trust_checkpoint: bool,
                       hash_file: bool = True) -> FileRecord:
     """Worker step: build one target file from its copy items and write it atomically.
 
     Peak memory: this file's buffers plus the pages of the source regions being copied (for an
-    `in_place` or `streaming` writer: one tensor). `hash_file=False` leaves `crc32` empty for the
+    `IN_PLACE` or `STREAMING` target: one tensor). `hash_file=False` leaves `crc32` empty for the
     caller to fill.
     """
-    rec = _write_file(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
+    rec = _write_file(file, items, source_root, dest_root, writer, mode, meta, trust_checkpoint, hash_file)
     if hash_file:
         journal(Path(dest_root), {"path": rec.path, "bytes": rec.nbytes, "crc32": rec.crc32, "extra": rec.extra})
     return rec
 
 
 def _write_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
-                meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool) -> FileRecord:
-    if getattr(writer, "in_place", False) and file.buffers:
+                mode: WriteMode, meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool) -> FileRecord:
+    if mode is WriteMode.IN_PLACE and file.buffers:
         return _write_in_place(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
-    if getattr(writer, "streaming", False):
+    if mode is WriteMode.STREAMING:
         return _write_streaming(file, items, source_root, dest_root, writer, meta, trust_checkpoint, hash_file)
     sources = _Sources(Path(source_root), trust_checkpoint)
     buffers = {b.key: zeros(b.shape, getattr(torch, b.dtype)) for b in file.buffers}
@@ -448,7 +445,7 @@ def _write_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, d
 
 
 class _FilledOnLookup(Mapping[KeyPath, torch.Tensor]):
-    """A target file's buffers for a `streaming` writer: each lookup allocates the buffer, copies its
+    """A target file's buffers for a `STREAMING` target: each lookup allocates the buffer, copies its
     items into it (releasing the source pages after) and returns it; nothing is kept."""
 
     def __init__(self, file: TargetFile, items: Sequence[CopyItem], sources: _Sources, source_root: str) -> None:
@@ -481,7 +478,7 @@ class _FilledOnLookup(Mapping[KeyPath, torch.Tensor]):
 
 def _write_streaming(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
                      meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool = True) -> FileRecord:
-    """Worker step for `streaming` writers: the payload writes buffer after buffer, each filled when looked up."""
+    """Worker step for `STREAMING` targets: the payload writes buffer after buffer, each filled when looked up."""
     sources = _Sources(Path(source_root), trust_checkpoint)
     payload = writer.assemble(file, _FilledOnLookup(file, items, sources, source_root), meta)
     if not isinstance(payload, (bytes, str, StreamPayload)):
@@ -739,7 +736,7 @@ def _box_run(item: CopyItem) -> tuple[int, int, int] | None:
 
 def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str, writer: Writer,
                     meta: Mapping[str, Any], trust_checkpoint: bool, hash_file: bool = True) -> FileRecord:
-    """Worker step for `in_place` writers: save the file's object without tensor data (the data regions
+    """Worker step for `IN_PLACE` targets: save the file's object without tensor data (the data regions
     stay holes, i.e. zeros), then put each copy item's bytes at their place in the file, fsync, rename.
 
     A flat item, or a box item that moves one contiguous run, between equal dtypes of torch.save'd
@@ -948,11 +945,12 @@ def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: M
         raise
     by_file = plan.items_by_file()
     meta = plan.target.index.meta
-    jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, meta, trust_checkpoint)
+    mode = plan.target.write_mode
+    jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, mode, meta, trust_checkpoint)
             for f in plan.target.files if f.path in plan_files and f.path not in kept]
     try:
-        # two files at once only where a worker holds one tensor, not a whole file (in-place/streaming writers)
-        bounded = getattr(writer, "in_place", False) or getattr(writer, "streaming", False)
+        # two files at once only where a worker holds one tensor, not a whole file
+        bounded = mode is not WriteMode.IN_MEMORY
         written = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
         by_path = {r.path: r for r in written} | {
             p: FileRecord(path=p, nbytes=int(r["bytes"]), crc32=str(r["crc32"]), extra=r.get("extra"))

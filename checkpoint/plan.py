@@ -9,6 +9,7 @@ consumes and `summarize` prints.
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -47,9 +48,25 @@ class TargetFile:
         return sum(b.nbytes for b in self.buffers)
 
 
+class WriteMode(enum.Enum):
+    """How the executor builds each target file from its buffers, and what that costs in memory."""
+
+    IN_MEMORY = "in_memory"
+    """Every buffer is filled, then the object `assemble` returns is saved. Peak: the whole file. For files
+    whose content the writer derives or rearranges (not only copies)."""
+    IN_PLACE = "in_place"
+    """`assemble` returns a torch-saveable object holding every buffer unchanged at its key path; the
+    executor saves it without tensor data and streams each copy item into its place in the file (kernel
+    file-to-file copies where possible). Peak: the largest tensor."""
+    STREAMING = "streaming"
+    """`assemble` gets a mapping that fills a buffer when it is looked up (anew each time, nothing kept) and
+    returns a `StreamPayload` that writes each buffer before looking up the next. Peak: the largest tensor."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetSpec:
-    """What a writer will produce: the target index (chunks point into `files`) and the files.
+    """What a writer will produce: the target index (chunks point into `files`), the files, and how the
+    executor builds them (`write_mode`).
 
     `commit`: the relative paths of the files a loader starts from (DeepSpeed's `latest`, DCP's `.metadata`,
     Megatron's `metadata.json`), among `files` or the writer's `finalize` output; the executor writes them
@@ -59,6 +76,7 @@ class TargetSpec:
     index: CheckpointIndex
     files: tuple[TargetFile, ...]
     commit: tuple[str, ...] = ()
+    write_mode: WriteMode = WriteMode.IN_MEMORY
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

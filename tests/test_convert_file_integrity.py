@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from checkpoint import safe_load
 from checkpoint.execute import MANIFEST, copy_item, crc32_combine, execute, file_crc32, verify_manifest
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorKey
-from checkpoint.plan import ConversionPlan, CopyItem, TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import ConversionPlan, CopyItem, TargetBuffer, TargetFile, TargetSpec, WriteMode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,6 @@ def test_crc32_combine_equals_the_crc_of_the_concatenation(a, b):
 
 
 class _Placing:
-    in_place = True
-
     def assemble(self, file, buffers, meta):
         return {"w": buffers[("w",)], "v": buffers[("v",)], "n": 7}
 
@@ -51,6 +49,7 @@ def _written(tmp_path: Path) -> Path:
                       dst=ChunkRef(file="f.pt", key=("v",), offsets=(0,), lengths=(5,)), flat=(1, 0, 4), narrows=None,
                       numel=4))
     target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)),
+                        write_mode=WriteMode.IN_PLACE,
                         files=(TargetFile(path="f.pt", role="r", rank=0,
                                           buffers=(TargetBuffer(key=("w",), shape=(3, 4), dtype="float32"),
                                                    TargetBuffer(key=("v",), shape=(5,), dtype="bfloat16"))),))

@@ -17,7 +17,7 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.execute import execute, verify_manifest
 from checkpoint.index import CheckpointIndex
-from checkpoint.plan import ConversionPlan, TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import ConversionPlan, TargetBuffer, TargetFile, TargetSpec, WriteMode
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN = 512  # largest tensor: 512 x 512 fp32 = 1 MiB
@@ -55,9 +55,7 @@ def test_peak_memory_is_flat_as_the_checkpoint_grows(tmp_path, workload_extensio
 
 
 class _Misplacing:
-    """An in_place writer that breaks its contract: the buffer is not at its key path."""
-
-    in_place = True
+    """A writer of an IN_PLACE target that breaks its contract: the buffer is not at its key path."""
 
     def assemble(self, file, buffers, meta):
         return {"elsewhere": torch.zeros(3)}
@@ -65,6 +63,7 @@ class _Misplacing:
 
 def test_in_place_writer_that_misplaces_a_buffer_is_refused(tmp_path):
     target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)),
+                        write_mode=WriteMode.IN_PLACE,
                         files=(TargetFile(path="f.pt", role="r", rank=0,
                                           buffers=(TargetBuffer(key=("w",), shape=(3,), dtype="float32"),)),))
     plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),
@@ -75,14 +74,13 @@ def test_in_place_writer_that_misplaces_a_buffer_is_refused(tmp_path):
 
 
 class _Placing:
-    in_place = True
-
     def assemble(self, file, buffers, meta):
         return {"w": buffers[("w",)], "n": 7}
 
 
 def test_in_place_writer_output_loads_with_zeros_where_nothing_was_copied(tmp_path):
     target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)),
+                        write_mode=WriteMode.IN_PLACE,
                         files=(TargetFile(path="f.pt", role="r", rank=0,
                                           buffers=(TargetBuffer(key=("w",), shape=(2, 3), dtype="bfloat16"),)),))
     plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(tmp_path), entries=(), files=()),

@@ -44,7 +44,7 @@ from checkpoint.paths import inside
 from checkpoint.state.optimizer_state import refuse_split_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, COUNTERS, STATE_REPORT_FILE, StateEntry,
                                              our_client_state, report_dict)
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -456,17 +456,14 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
              for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
                             files=(METADATA, *(f.path for f in files)), meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=(METADATA,))
+    return TargetSpec(index=index, files=tuple(files), commit=(METADATA,), write_mode=WriteMode.STREAMING)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DCPWriter:
-    """Writes each rank's `.distcp` chunk by chunk and, as the coordinator, DCP's `.metadata` last.
-
-    `streaming`: each chunk is filled when the payload looks it up and saved before the next one, so a
-    worker holds one chunk, never the file."""
-
-    streaming: bool = True
+    """Writes each rank's `.distcp` chunk by chunk and, as the coordinator, DCP's `.metadata` last. Streaming:
+    each chunk is filled when the payload looks it up and saved before the next one, so a worker holds one
+    chunk, never the file."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role != "data":

@@ -43,7 +43,7 @@ from checkpoint.formats.hf_trainer import (is_trainer_folder, new_trainer_state,
 from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name,
                               state_kind)
 from checkpoint.paths import tag_name
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 from checkpoint.state.rng import roles
 from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_entries, state_kinds
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
@@ -635,13 +635,9 @@ GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed.runtime.constants.GRADIENT_CLIPPING
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepSpeedWriter:
-    """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written).
-
-    `in_place`: every buffer sits unchanged at its key path in the assembled object, so the executor
-    streams it into the saved file piece by piece (peak memory bounded by the largest tensor).
-    """
-
-    in_place: bool = True
+    """Writes DeepSpeed's own files from filled buffers (see `deepspeed_target` for what is written). Every
+    buffer sits unchanged at its key path in the assembled object, so the target is written in place unless
+    the writer derives values (`deepspeed_target`)."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "latest":
@@ -668,7 +664,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     The source must carry DeepSpeed-style metadata (param groups, scheduler, ...): a DeepSpeed or
     DeepSpeed-universal index. Precision is kept: bf16/fp16 sources give bf16/fp16 targets. A source that
     keeps Adam's step per param group (Megatron) gets torch Adam's per-flat-group step
-    (`adam_step.derived_step`); the meta then asks for in-memory assembly (`writer_in_memory`).
+    (`adam_step.derived_step`), which the writer adds, so its files are assembled in memory.
     """
     if dp < 1 or zero_stage not in (1, 2, 3):
         raise PlanError(f"DeepSpeed target needs dp >= 1 and zero_stage in 1..3, got dp={dp} zero_stage={zero_stage}")
@@ -756,7 +752,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups,
             "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
             "scalar_kinds": [str(k) for k in scalar_kinds],
-            "derived_step": step, "writer_in_memory": step is not None}
+            "derived_step": step}
     if m.get("hf_trainer"):
         meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
     files = [TargetFile(path="latest", role="latest", rank=None)]
@@ -768,7 +764,8 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                          buffers=tuple(buffers[optim_file(tag, r, bf16)])) for r in range(dp)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=("latest",))
+    return TargetSpec(index=index, files=tuple(files), commit=("latest",),
+                      write_mode=WriteMode.IN_PLACE if step is None else WriteMode.IN_MEMORY)
 
 
 def _check_state_complete(src: Mapping[TensorKey, TensorEntry], params: Sequence[Param], kinds: Sequence[Kind | str],

@@ -33,7 +33,7 @@ from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_spec
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.paths import inside
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config
 from checkpoint.rules.names import TABLES, rename
 from checkpoint.state.training_state import CLIENT_STATE_KEY, our_client_state
@@ -266,7 +266,7 @@ def hf_target(source: CheckpointIndex, *, arch: str | None = None, model_config:
             "hf_config_origin": origin}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=tuple(finals))
+    return TargetSpec(index=index, files=tuple(files), commit=tuple(finals), write_mode=WriteMode.STREAMING)
 
 
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()} | {"uint16": "U16", "uint32": "U32", "uint64": "U64"}
@@ -298,8 +298,6 @@ def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]], meta
 class HFWriter:
     """Writes the weights as safetensors (architecture in the header metadata), streaming: the header
     first (shapes and dtypes are known from the plan), then each tensor's bytes as it is filled."""
-
-    streaming: bool = True
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role != "weights":

@@ -507,8 +507,6 @@ class MegatronLegacyWriter:
     """Assembles each rank dir's `model_optim_rng.pt` and `distrib_optim.pt` from filled buffers (in memory:
     the grad-buffer states are keyed by dtype pairs, which the in-place streaming path cannot address)."""
 
-    in_place = False
-
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)

@@ -30,7 +30,7 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
                                      refuse_frozen_params, refuse_tied_embeddings, scalar)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import inside, tag_name
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
 
@@ -254,7 +254,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
             "universal_tag": tag}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=(LATEST,))
+    return TargetSpec(index=index, files=tuple(files), commit=(LATEST,), write_mode=WriteMode.IN_PLACE)
 
 
 def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -284,9 +284,7 @@ def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str,
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UniversalWriter:
-    """Writes the universal files from filled buffers; each buffer sits at its key path (streamed in place)."""
-
-    in_place: bool = True
+    """Writes the universal files from filled buffers; each buffer sits at its key path (written in place)."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "latest":
