@@ -38,6 +38,7 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
                                      refuse_tied_embeddings)
 from checkpoint.formats.dcp_layout import (DCPLayout, find_layout, optimizer_item, optimizer_roots, param_groups,
                                            param_name)
+from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
 from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size,
                               is_optimizer_state, state_kind)
 from checkpoint.paths import inside
@@ -492,37 +493,20 @@ class DCPWriter:
         return StreamPayload(write=write)
 
     def finalize(self, records: Sequence[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                           MetadataIndex, StorageMeta, TensorProperties,
-                                                           TensorStorageMetadata)
-
-        sd_meta: dict[str, Any] = {}
-        planner: dict[str, tuple[Any, ...]] = {}
-        for path, shape, dt in meta["tensors"]:
-            fqn = _fqn(path)
-            planner[fqn] = tuple(path)
-            sd_meta[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, dt)),
-                                                 size=torch.Size(shape), chunks=[])
-        for path, _ in meta["values"]:
-            planner[_fqn(path)] = tuple(path)
-            sd_meta[_fqn(path)] = BytesStorageMetadata()
-        storage = {}
-        shapes = {_fqn(p): tuple(s) for p, s, _ in meta["tensors"]}
+        tensors = {_fqn(p): (tuple(s), dt) for p, s, dt in meta["tensors"]}
+        planner = {_fqn(p): tuple(p) for p, *_ in (*meta["tensors"], *meta["values"])}
         whole = set(meta.get("whole_tensors", ()))
-        for rec in records:
-            for fqn, offsets, start, length in rec.extra or ():
-                if offsets is None:
-                    idx = MetadataIndex(fqn=fqn)
-                else:
-                    tsm = sd_meta[fqn]
-                    lengths = shapes[fqn] if fqn in whole else next(
-                        lens for _, offs, lens in dim0_pieces(shapes[fqn], meta["dp"]) if list(offs) == offsets)
-                    idx = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tsm.chunks))
-                    tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(lengths)))
-                storage[idx] = _StorageInfo(relative_path=rec.path, offset=start, length=length)
-        md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
+
+        def box(fqn: str, offsets: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            shape = tensors[fqn][0]
+            sizes = shape if fqn in whole else next(
+                lens for _, offs, lens in dim0_pieces(shape, meta["dp"]) if list(offs) == offsets)
+            return tuple(offsets), tuple(sizes)
+
+        placed = [PlacedItem(fqn=fqn, file=rec.path, offset=start, length=length,
+                             box=None if offsets is None else box(fqn, offsets))
+                  for rec in records for fqn, offsets, start, length in rec.extra or ()]
+        md = build_metadata(placed, tensors, planner_data=planner, save_id=str(uuid.uuid4()))
         files = {STATE_REPORT_FILE: json.dumps(meta["state_report"], indent=1).encode()} if meta.get("state_report") else {}
         return files | {METADATA: pickle.dumps(md)}  # .metadata last: DCP's commit point
 

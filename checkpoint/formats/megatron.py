@@ -40,6 +40,7 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
+from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
 from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fields_from_model_spec
 from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
                                               overrides, synthesized_args, target_args, vocab_is_padded)
@@ -1148,29 +1149,13 @@ class MegatronWriter:
         import pickle
         import uuid
 
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                           MetadataIndex, StorageMeta, TensorProperties,
-                                                           TensorStorageMetadata)
-
-        shapes = {k: (tuple(shape), dt) for k, shape, dt in meta["dcp_tensors"]}
+        tensors = {k: (tuple(shape), dt) for k, shape, dt in meta["dcp_tensors"]}
         it = meta["iteration_dir"]
-        sd_meta: dict[str, Any] = {}
-        storage = {}
-        for rec in records:
-            for fqn, offsets, sizes, start, length in rec.extra or ():
-                if offsets is not None:  # a tensor chunk: a box of the global tensor `fqn`
-                    shape, dt = shapes[fqn]
-                    tmd = sd_meta.setdefault(fqn, TensorStorageMetadata(
-                        properties=TensorProperties(dtype=getattr(torch, dt)), size=torch.Size(shape), chunks=[]))
-                    tmd.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-                    idx = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tmd.chunks) - 1)
-                else:
-                    sd_meta[fqn] = BytesStorageMetadata()
-                    idx = MetadataIndex(fqn=fqn)
-                storage[idx] = _StorageInfo(relative_path=rec.path.removeprefix(f"{it}/"), offset=start, length=length)
-        md = Metadata(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None))
+        placed = [PlacedItem(fqn=fqn, file=rec.path.removeprefix(f"{it}/"), offset=start, length=length,
+                             box=None if offsets is None else (tuple(offsets), tuple(sizes)))
+                  for rec in records for fqn, offsets, sizes, start, length in rec.extra or ()]
+        planner = {k: (k,) for k in (*tensors, *(p.fqn for p in placed))}
+        md = build_metadata(placed, tensors, planner_data=planner, save_id=str(uuid.uuid4()))
         common = dict(meta["common"])
         common["migrate"] = {**dict(common.get("migrate") or {}), "layout": meta["target_layout"]}
         per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in meta["optimizer_groups"]]

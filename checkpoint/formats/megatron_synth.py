@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
 from checkpoint.formats.megatron import (bucket_layouts, domain_params, index_from_metadata, layer_boxes,
                                          owner_boxes, separate_bucket_keys, writer_ranks)
 from checkpoint.index import CheckpointIndex, dtype_size
@@ -48,22 +47,15 @@ class _Files:
 def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16",
                         iteration: int = 1) -> tuple[Any, dict[str, Any]]:
     """(DCP Metadata, common state) of a dp_reshardable torch_dist checkpoint of `arch` at `layout`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-
     files = _Files()
-    sd_meta: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    placed: list[PlacedItem] = []
 
     def add(fqn: str, shape: tuple[int, ...], dtype: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
             rank: int) -> None:
-        tmd = sd_meta.setdefault(fqn, TensorStorageMetadata(
-            properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape), chunks=[]))
-        tmd.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        tensors.setdefault(fqn, (shape, dtype))
         path, start, length = files.place(rank, math.prod(sizes) * dtype_size(dtype))
-        storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(tmd.chunks) - 1)] = _StorageInfo(
-            relative_path=path, offset=start, length=length)
+        placed.append(PlacedItem(fqn=fqn, file=path, offset=start, length=length, box=(offsets, sizes)))
 
     moe = arch.num_experts > 0
     for rule in stored_rules(arch):
@@ -106,7 +98,7 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                                     lo, hi = r * local, min((r + 1) * local, unpadded)
                                     if lo < hi:
                                         add(fqn, (unpadded,), "float32", (lo,), (hi - lo,), rank)
-    md = Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+    md = build_metadata(placed, tensors)
     # hyper-parameters are not in the layout; planning does not read them (typical Llama pre-training values)
     group = {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": iteration,
                                "params": []}]}
