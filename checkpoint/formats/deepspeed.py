@@ -546,17 +546,32 @@ def _group_state(optim: Sequence[Any], stage: int, gid: int, partition: int, whe
     return flat, scalars
 
 
-def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tuple[int, tuple[int, int], int]]],
-                                         list[int]]],
-                  stage: int, tag: str, bf16: bool, optim: Sequence[Any], root: Path) -> list[TensorEntry]:
-    """Entries for the fp32 master and every optimizer state tensor (Adam's moments and step, momentum buffers,
-    ...) of the flat groups, checking stored sizes on every rank.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlatGroup:
+    """One flat optimizer group as ZeRO stores it: its position among the flat groups (the optimizer state's
+    group id), the param group it belongs to, its params in order, each param's pieces per rank, the fp32
+    master's elements per rank and the partition size at which every rank stores the state tensors."""
 
-    `layout` holds per flat group: (flat group id, param group id, params, chunks per param, fp32 master
-    numel per rank, padded partition size at which the state tensors are stored).
-    """
+    index: int
+    param_group: int
+    params: tuple[Param, ...]
+    chunks: Mapping[str, Sequence[tuple[int, tuple[int, int], int]]]  # name -> (rank, flat range, storage offset)
+    master_numels: tuple[int, ...]
+    partition: int
+
+    @property
+    def padding(self) -> int:
+        """Elements of the dp partitions that no param fills (alignment)."""
+        return self.partition * len(self.master_numels) - sum(p.numel for p in self.params)
+
+
+def _flat_entries(groups: Sequence[FlatGroup], stage: int, tag: str, bf16: bool, optim: Sequence[Any],
+                  root: Path) -> list[TensorEntry]:
+    """Entries for the fp32 master and every optimizer state tensor (Adam's moments and step, momentum buffers,
+    ...) of the flat groups, checking stored sizes on every rank."""
     entries: list[TensorEntry] = []
-    for gid, _, params, chunks, master_numels, padded in layout:
+    for fg in groups:
+        gid, params, chunks, master_numels, padded = fg.index, fg.params, fg.chunks, fg.master_numels, fg.partition
         flat, scalars = _group_state(optim, stage, gid, padded, str(root / optim_file(tag, 0, bf16)))
         paths = _optimizer_paths(stage, gid, flat + scalars)
         for kind in [Kind.MASTER, *flat]:
@@ -587,24 +602,27 @@ def _flat_entries(layout: Sequence[tuple[int, Sequence[Param], dict[str, list[tu
     return entries
 
 
-def _z12_layout(groups: Sequence[Sequence[Param]], dp: int, padded_masters: bool = False):
-    """Per group (flat id, group id, params, chunks, fp32 master numel per rank, partition size): ZeRO-1/2
-    store each rank's fp32 master without the alignment padding, BF16_Optimizer with it (`padded_masters`)."""
+def _z12_flat_groups(groups: Sequence[Sequence[Param]], dp: int, padded_masters: bool = False) -> list[FlatGroup]:
+    """ZeRO-1/2: one flat group per param group. Each rank's fp32 master is stored without the alignment
+    padding, BF16_Optimizer's with it (`padded_masters`)."""
     out = []
     for gid, g in enumerate(groups):
         size, pad = z12_partition_size(g, dp)
-        master = [size if padded_masters else size - max(0, min(size, (r + 1) * size - (dp * size - pad)))
-                  for r in range(dp)]
-        out.append((gid, gid, g, z12_chunks(g, dp), master, size))
+        master = tuple(size if padded_masters else size - max(0, min(size, (r + 1) * size - (dp * size - pad)))
+                       for r in range(dp))
+        out.append(FlatGroup(index=gid, param_group=gid, params=tuple(g), chunks=z12_chunks(g, dp),
+                             master_numels=master, partition=size))
     return out
 
 
-def _z3_layout(groups: Sequence[Sequence[Param]], dp: int, sub_group_size: int):
-    out = []
+def _z3_flat_groups(groups: Sequence[Sequence[Param]], dp: int, sub_group_size: int) -> list[FlatGroup]:
+    """ZeRO-3: each param group cut into sub-groups of at most `sub_group_size` elements, one flat group each."""
+    out: list[FlatGroup] = []
     for pg, g in enumerate(groups):
         for sg in z3_sub_groups(g, dp, sub_group_size):
             numel = sum(z3_piece(p.numel, dp) for p in sg)
-            out.append((len(out), pg, sg, z3_chunks(sg, dp), [numel] * dp, numel))
+            out.append(FlatGroup(index=len(out), param_group=pg, params=tuple(sg), chunks=z3_chunks(sg, dp),
+                                 master_numels=(numel,) * dp, partition=numel))
     return out
 
 
@@ -616,16 +634,16 @@ def _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters: bool = Fals
             if count != dp:
                 raise LayoutMismatchError(f"{root / optim_file(tag, r, bf16)}: partition_count {count} != "
                                           f"dp_world_size {dp} (group {gid})")
-    return _flat_entries(_z12_layout(groups, dp, padded_masters), 2, tag, bf16, optim, root)
+    return _flat_entries(_z12_flat_groups(groups, dp, padded_masters), 2, tag, bf16, optim, root)
 
 
 def _z3_entries(groups, dp, tag, bf16, optim, root, sub_group_size) -> list[TensorEntry]:
-    layout = _z3_layout(groups, dp, sub_group_size)
+    flat = _z3_flat_groups(groups, dp, sub_group_size)
     stored = len(optim[0][OSD]["fp32_flat_groups"])
-    if stored != len(layout):
+    if stored != len(flat):
         raise LayoutMismatchError(f"{root / optim_file(tag, 0, bf16)}: {stored} fp32 sub-groups stored, the "
-                                  f"params and sub_group_size={sub_group_size} give {len(layout)}")
-    return _flat_entries(layout, 3, tag, bf16, optim, root)
+                                  f"params and sub_group_size={sub_group_size} give {len(flat)}")
+    return _flat_entries(flat, 3, tag, bf16, optim, root)
 
 
 # ---------------------------------------------------------------- writer
@@ -708,18 +726,19 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
             entries.append(TensorEntry(key=TensorKey(name=p.name, kind=Kind.PARAM), shape=p.shape, dtype=dt,
                                        chunks=(ChunkRef(file=model_files[0], key=("module", p.name),
                                                         offsets=(0,) * len(p.shape), lengths=p.shape),)))
-        layout = _z12_layout(groups, dp, padded_masters=flavor == BF16_OPTIMIZER)
+        flat = _z12_flat_groups(groups, dp, padded_masters=flavor == BF16_OPTIMIZER)
     else:
         sub = int(m["model_state"].get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-        layout = _z3_layout(groups, dp, sub)
+        flat = _z3_flat_groups(groups, dp, sub)
         for p, dt in frozen:  # each rank's model file keeps its piece
             for mf in model_files:
                 add(mf, ("frozen_param_fragments", p.name), (z3_piece(p.numel, dp),), dt)
             entries.append(z3_frozen_entry(p, dt, model_files))
     scalar_dtypes = {k: next(e.dtype for e in source.entries if e.key.kind == k) for k in scalar_kinds}
     flat_groups = []
-    for gid, pg, params, chunks, master_numels, padded in layout:
+    for fg in flat:
+        gid, params, chunks, master_numels, padded = fg.index, fg.params, fg.chunks, fg.master_numels, fg.partition
         _check_state_complete(src, params, flat_kinds + scalar_kinds, gid)
         paths = _optimizer_paths(zero_stage, gid, scalar_kinds + flat_kinds)
         kinds = [Kind.MASTER, *flat_kinds]
@@ -741,8 +760,8 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                                        dtype=scalar_dtypes[kind],
                                        chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind],
                                                              offsets=(), lengths=()) for r in range(dp))))
-        flat_groups.append({"param_group": pg, "params": [p.name for p in params], "master_numels": master_numels,
-                            "partition_size": padded, "padding": padded * dp - sum(p.numel for p in params),
+        flat_groups.append({"param_group": fg.param_group, "params": [p.name for p in params],
+                            "master_numels": list(master_numels), "partition_size": padded, "padding": fg.padding,
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
     model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
     # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
