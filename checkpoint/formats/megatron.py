@@ -46,7 +46,7 @@ from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad
                                               overrides, synthesized_args, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import OptimizerSharding, ParallelLayout
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
                                   role_from_dict, roles, to_megatron)
 from checkpoint.state.optimizer_state import refuse_unplaced_state
@@ -996,7 +996,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
             "iteration_dir": it, **state}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
-    return TargetSpec(index=index, files=files, commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE))
+    return TargetSpec(index=index, files=files, commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE),
+                      write_mode=WriteMode.STREAMING)
 
 
 def param_dtypes(source: CheckpointIndex, arch: ArchSpec, default: str) -> dict[str, str]:
@@ -1107,7 +1108,9 @@ def _plain_optimizer_groups(optim: Mapping[str, Any], root: Path) -> dict[str, A
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MegatronWriter:
     """Writes each rank's `.distcp` file (its tensor boxes; the copied ShardedObjects in the first file) and,
-    as the coordinator, DCP's `.metadata` (every chunk with its byte range), `common.pt` and `metadata.json`."""
+    as the coordinator, DCP's `.metadata` (every chunk with its byte range), `common.pt` and `metadata.json`.
+    Streaming: each box is filled when the payload looks it up and saved before the next, so a worker holds
+    one box, never a rank's file."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role != "distcp":
