@@ -190,3 +190,74 @@ def test_param_names_is_refused_where_the_target_cannot_rename(tmp_path):
     with pytest.raises(PlanError, match="--param-names torchtitan: a DeepSpeed target is written in canonical or hf"):
         convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", param_names="torchtitan")
     assert not (tmp_path / "mc").exists() and not (tmp_path / "ds").exists()
+
+
+# torchtitan v0.2.2 `Qwen3StateDictAdapter.from_hf_map` (torchtitan/models/qwen3/model/state_dict_adapter.py), dense rows
+TORCHTITAN_QWEN3_FROM_HF = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _torchtitan_qwen3_from_hf(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the adapter's `from_hf` makes of a dense Qwen3 state dict: its names, the tensors as they are (torchtitan's
+    Qwen3 rotates halves, as transformers does, so nothing is permuted)."""
+    import re
+
+    out = {}
+    for name, value in hf.items():
+        layer = re.search(r"\d+", name)
+        out[TORCHTITAN_QWEN3_FROM_HF[re.sub(r"\d+", "{}", name, count=1)].format(layer.group(0) if layer else "")] = value
+    return out
+
+
+def _qwen3(path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**BASE, head_dim=8, tie_word_embeddings=False, rms_norm_eps=1e-6))
+    model.save_pretrained(path, max_shard_size="40KB")
+    return model.eval()
+
+
+def test_torchtitan_qwen3_both_ways(tmp_path):
+    """torchtitan's Qwen3 names. A DCP folder as torchtitan's `convert_from_hf.py` writes it (`dcp.save` of the adapter's
+    `from_hf` state dict) converts to HF with the model's config: `from_pretrained` gives the source model's logits,
+    every weight bit for bit. And HF -> DCP --param-names torchtitan gives exactly the adapter's state dict."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    model = _qwen3(tmp_path / "hf")
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = _torchtitan_qwen3_from_hf(hf)
+    dcp.save(expected, checkpoint_id=str(tmp_path / "tt"))
+    convert(tmp_path / "tt", tmp_path / "back", to="hf", model_config=model.config.to_dict())
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(hf) and not [k for k in hf if not torch.equal(back[k], hf[k])]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    assert torch.equal(_logits(loaded, TOKENS), _logits(model, TOKENS))
+
+    convert(tmp_path / "hf", tmp_path / "tt2", to="dcp", dcp_layout="torchtitan", param_names="torchtitan")
+    dcp_to_torch_save(tmp_path / "tt2", tmp_path / "tt2.pt")
+    import io
+
+    with torch.serialization.safe_globals([io.BytesIO]):  # torchtitan's train_state keeps BytesIO histories
+        saved = torch.load(tmp_path / "tt2.pt", weights_only=True)
+    model_keys = {k: v for k, v in saved.items() if k in expected}
+    assert sorted(model_keys) == sorted(expected)
+    assert not [k for k in expected if not torch.equal(model_keys[k], expected[k])]

@@ -7,7 +7,7 @@ Qwen3's `self_attn.q_norm`), as `save_pretrained`,
 an HF-Trainer DeepSpeed run or an FSDP2-wrapped transformers model store them; `torchtitan`, torchtitan's
 Llama (`tok_embeddings`, `attention.wq`, `feed_forward.w1`, `output`), whose wq/wk rows are in Meta's
 interleaved RoPE order: torchtitan's `Llama3StateDictAdapter` permutes them to and from transformers' order
-(`rope_rows`). Templates hold `{L}` (layer), `{E}` (expert) and `{P}` (weight|bias). A name no row holds is
+(`rope_rows`); torchtitan's Qwen3 (`attention.q_norm`), whose rows are in transformers' order. Templates hold `{L}` (layer), `{E}` (expert) and `{P}` (weight|bias). A name no row holds is
 an error naming it and the closest known names.
 """
 
@@ -38,14 +38,16 @@ class NameRow:
     rope: RopeRows = ""
 
 
-def _attention(norm: str) -> tuple[NameRow, ...]:
+def _attention(norm: str, *, interleaved_rope: bool = True) -> tuple[NameRow, ...]:
+    """`interleaved_rope`: torchtitan's model of the family rotates interleaved pairs (its Llama 3), so its wq/wk
+    rows are permuted against transformers'; off where it rotates halves as transformers does (its Qwen3)."""
     return (
         NameRow(f"layers.{{L}}.input_layernorm.{norm}", f"model.layers.{{L}}.input_layernorm.{norm}",
                 f"layers.{{L}}.attention_norm.{norm}"),
         NameRow("layers.{L}.self_attn.q_proj.weight", "model.layers.{L}.self_attn.q_proj.weight",
-                "layers.{L}.attention.wq.weight", rope="q"),
+                "layers.{L}.attention.wq.weight", rope="q" if interleaved_rope else ""),
         NameRow("layers.{L}.self_attn.k_proj.weight", "model.layers.{L}.self_attn.k_proj.weight",
-                "layers.{L}.attention.wk.weight", rope="kv"),
+                "layers.{L}.attention.wk.weight", rope="kv" if interleaved_rope else ""),
         NameRow("layers.{L}.self_attn.v_proj.weight", "model.layers.{L}.self_attn.v_proj.weight",
                 "layers.{L}.attention.wv.weight"),
         NameRow("layers.{L}.self_attn.o_proj.weight", "model.layers.{L}.self_attn.o_proj.weight",
@@ -93,13 +95,15 @@ TABLES: dict[str, tuple[NameRow, ...]] = {
           for q in ("q", "k", "v")),
         *(r for r in _attention("weight") if "o_proj" in r.canonical or "post_attention" in r.canonical),
         *_llama_mlp(), *_ends("weight"))),
-    # Qwen3ForCausalLM: Llama with per-head q/k RMSNorm
-    "qwen3": _without_torchtitan((
-        *_attention("weight"),
-        *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight")
-          for q in ("q", "k")),
-        *_llama_mlp(), *_ends("weight"))),
-    # Qwen3MoeForCausalLM (per-expert gate/up/down as save_pretrained writes them): Qwen3 attention, routed experts
+    # Qwen3ForCausalLM: Llama with per-head q/k RMSNorm; torchtitan's Qwen3 (its v0.2 `Qwen3StateDictAdapter`
+    # names, RoPE by halves as transformers': no row permutation)
+    "qwen3": (
+        *_attention("weight", interleaved_rope=False),
+        *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight",
+                  f"layers.{{L}}.attention.{q}_norm.weight") for q in ("q", "k")),
+        *_llama_mlp(), *_ends("weight")),
+    # Qwen3MoeForCausalLM (per-expert gate/up/down as save_pretrained writes them): Qwen3 attention, routed experts;
+    # torchtitan stacks its experts into grouped tensors (`moe.experts.w1`), which is not a renaming
     "qwen3_moe": _without_torchtitan((
         *_attention("weight"),
         *(NameRow(f"layers.{{L}}.self_attn.{q}_norm.weight", f"model.layers.{{L}}.self_attn.{q}_norm.weight")
