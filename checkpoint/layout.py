@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping
+from collections.abc import Mapping
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -179,7 +179,7 @@ class ParallelLayout:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> "ParallelLayout":
+    def from_dict(cls, data: Mapping[str, object]) -> ParallelLayout:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:

@@ -21,11 +21,11 @@ def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[1], inputs[2])
 
 
-def _backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+def _backward(ctx, grad: torch.Tensor):
     cos, sin = ctx.saved_tensors
     u1, u2 = (grad * sin).chunk(2, dim=-1)
     return grad * cos + torch.cat((u2, -u1), dim=-1), None, None

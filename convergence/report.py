@@ -14,11 +14,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from convergence.calibration import Bands  # noqa: E402
-from convergence.verdict import Verdict  # noqa: E402
+from convergence.calibration import Bands
+from convergence.verdict import Verdict
 
 
 def _plot_metric(bands: Bands, baselines: np.ndarray, candidate: np.ndarray, title: str, path: Path,
@@ -118,10 +118,12 @@ def _html(verdict: Verdict, directory: Path, images: dict[str, str]) -> str:
     runs = "".join(f"<li>baseline: <code>{html.escape(b)}</code></li>" for b in verdict.baselines)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Convergence gate: {d['verdict']}</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td{{border-top:1px solid #ddd;padding:.3em;vertical-align:top}}
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}
+td{{border-top:1px solid #ddd;padding:.3em;vertical-align:top}}
 h1 span{{color:{color}}}img{{max-width:100%}}</style></head><body>
 <h1>Convergence gate: <span>{d['verdict'].upper()}</span></h1>
-<ul><li>candidate: <code>{html.escape(verdict.candidate)}</code></li>{runs}<li>aligned by {html.escape(verdict.align_by)}</li></ul>
+<ul><li>candidate: <code>{html.escape(verdict.candidate)}</code></li>{runs}
+<li>aligned by {html.escape(verdict.align_by)}</li></ul>
 {'<h2>Why it failed</h2><ul>' + reasons + '</ul>' if reasons else ''}
 <h2>Decision rule</h2><ul>{rule}</ul>
 <h2>Alignment</h2><ul>{alignment}</ul>

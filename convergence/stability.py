@@ -37,7 +37,7 @@ class Segment:
         if any(b <= a for a, b in zip(self.steps, self.steps[1:])):
             raise ValueError(f"Segment: steps not strictly increasing: {self.steps[:10]}...")
 
-    def after_warmup(self, warmup: int) -> "Segment":
+    def after_warmup(self, warmup: int) -> Segment:
         """The segment without its first `warmup` steps."""
         return Segment(steps=self.steps[warmup:], values=self.values[warmup:])
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from convergence.stability import PER, Segment, Trend  # noqa: E402
+from convergence.stability import PER, Segment, Trend
 
 _RESTART = dict(color="tab:red", lw=0.8, ls="--", alpha=0.7)
 

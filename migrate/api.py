@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from migrate.job.load import Job, JobError, load_job
 from migrate.pipeline.preview import Preview, preview

@@ -24,7 +24,7 @@ fits the factors to measured step times (relative least squares, ridge towards t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

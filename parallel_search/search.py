@@ -26,7 +26,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
 
 from parallel_search.cost import Calibration, CostOptions, CostTerms, cost_terms, fit_calibration, mfu, predict
 from parallel_search.memory import MemoryEstimate, estimate_memory, fits
@@ -68,7 +69,7 @@ class Measurement:
         """Median of the timed steps (robust to one slow step)."""
         return float(statistics.median(self.step_times_s))
 
-    def truncated(self, steps: int) -> "Measurement":
+    def truncated(self, steps: int) -> Measurement:
         """The same measurement as if only its first ``steps`` timed steps had been run."""
         if not self.ok or steps >= self.steps:
             return self
@@ -78,7 +79,7 @@ class Measurement:
         return asdict(self) | {"step_times_s": list(self.step_times_s)}
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> "Measurement":
+    def from_dict(cls, data: Mapping) -> Measurement:
         return cls(**{**data, "step_times_s": tuple(data.get("step_times_s", ()))})
 
 
@@ -123,7 +124,7 @@ class ProfileCache:
         self._entries: dict[str, list[Measurement]] = {}
         self.loaded = 0
         if self.path is not None and self.path.is_file():
-            for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            for line in self.path.read_text(encoding="utf-8").splitlines():
                 if not line.strip():
                     continue
                 try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Iterator, Literal
+from typing import Literal
+from collections.abc import Iterator
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
@@ -54,7 +55,7 @@ class Candidate:
                 "recompute": self.recompute, "sequence_parallel": self.sequence_parallel}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Candidate":
+    def from_dict(cls, data: dict) -> Candidate:
         return cls(framework=data["framework"], layout=ParallelLayout.from_dict(data["layout"]),
                    micro_batch_size=int(data["micro_batch_size"]), recompute=data["recompute"],
                    sequence_parallel=bool(data["sequence_parallel"]))

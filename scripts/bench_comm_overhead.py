@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from migrate.comm.bandwidth import build_call, time_op  # noqa: E402
-from migrate.comm.matrix import synchronize  # noqa: E402
-from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group  # noqa: E402
+from migrate.comm.bandwidth import build_call, time_op
+from migrate.comm.matrix import synchronize
+from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
 
 
 def bare_loop(op: str, chunk: int, world: int, device: torch.device):

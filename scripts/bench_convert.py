@@ -12,7 +12,8 @@ dp ranks on Gloo) and saves; then it times, on the same source:
   true}` at the target layout, against DeepSpeed's plain load of our output (`load_checkpoint` time
   of rank 0 in both; engine construction excluded).
 Copies and conversions are timed `--repeat` times (default 3), alternating so that both see the same
-load of a shared machine; the medians are reported. It prints one table and a verdict per target; `--json` also writes every number. Targets (issue 4):
+load of a shared machine; the medians are reported. It prints one table and a verdict per target; `--json` also
+writes every number. Targets (issue 4):
 * vs copy: ours >= 0.8x the copy's throughput, i.e. copy seconds / our seconds >= 0.8 (same bytes);
 * vs universal: DeepSpeed's path for the same reshard (ds_to_universal + its universal load, where
   the resharding happens) takes >= 5x as long as our conversion. Also printed, not the target: the

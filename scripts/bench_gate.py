@@ -1,7 +1,8 @@
 """The convergence gate's operating characteristics, measured: false alarms on good runs, detection of faults.
 
 1. Good runs: `--seeds` real trainings of the built-in tiny Llama (FSDP2 engine, one Gloo rank, the job's
-   default recipe) for `--real-steps` steps each, differing only in the seed (init, data order; the same dataset): loss, grad norm and learning
+   default recipe) for `--real-steps` steps each, differing only in the seed (init, data order; the same
+   dataset): loss, grad norm and learning
    rate per step, cached in OUT/runs.jsonl (a rerun trains only the seeds missing).
 2. A noise model fitted to those runs, to reach 5,000 steps: the seeds' mean curve continued by a fitted
    a + b * (t + c)^-d (loss; log grad norm likewise), and each run's deviation from the mean as a run offset
@@ -39,10 +40,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from convergence.decision import ar1_window_factor  # noqa: E402
-from convergence.gate import evaluate  # noqa: E402
-from convergence.series import RunMetrics, run_from_points  # noqa: E402
-from convergence.tolerances import Tolerances  # noqa: E402
+from convergence.decision import ar1_window_factor
+from convergence.gate import evaluate
+from convergence.series import RunMetrics, run_from_points
+from convergence.tolerances import Tolerances
 
 LENGTHS = (100, 500, 5000)
 BASELINES = (1, 2, 4)
@@ -313,7 +314,7 @@ def main() -> None:
     rng = np.random.default_rng(20261201)
     results = {"model": model.__dict__ | {"loss": model.loss.__dict__, "log_gn": model.log_gn.__dict__},
                "false_alarms": {}, "detection": {}}
-    header = f"| steps | baselines | false alarms (model) | false alarms (real seeds) |"
+    header = "| steps | baselines | false alarms (model) | false alarms (real seeds) |"
     rows = [header, "|---|---|---|---|"]
     detect_rows = ["| steps | baselines | fault | size | detected | median delay (steps) | best possible |",
                    "|---|---|---|---|---|---|---|"]

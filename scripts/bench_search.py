@@ -27,13 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel_search.cost import fit_calibration, predict  # noqa: E402
-from parallel_search.profiles import load_profile  # noqa: E402
-from parallel_search.report import markdown_table  # noqa: E402
-from parallel_search.search import (Measurement, Problem, ProfileCache, SearchConfig, plan_space,  # noqa: E402
+from parallel_search.cost import fit_calibration, predict
+from parallel_search.profiles import load_profile
+from parallel_search.report import markdown_table
+from parallel_search.search import (Measurement, Problem, ProfileCache, SearchConfig, plan_space,
                                     rank_analytic, run_search)
-from parallel_search.space import Candidate, SpaceOptions  # noqa: E402
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape  # noqa: E402
+from parallel_search.space import Candidate, SpaceOptions
+from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
 BENCH_MODEL = dict(num_layers=6, hidden_size=192, ffn_hidden_size=576, num_attention_heads=6, num_query_groups=6,
                    vocab_size=512, seq_length=128)

@@ -18,7 +18,8 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined

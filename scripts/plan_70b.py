@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint.api import plan_conversion  # noqa: E402
-from checkpoint.formats.megatron_synth import plan_figures, synthetic_index  # noqa: E402
-from checkpoint.layout import OptimizerSharding, ParallelLayout  # noqa: E402
-from checkpoint.rules.megatron import ArchSpec  # noqa: E402
+from checkpoint.api import plan_conversion
+from checkpoint.formats.megatron_synth import plan_figures, synthetic_index
+from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.rules.megatron import ArchSpec
 
 LLAMA_70B = ArchSpec(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
                      num_attention_heads=64, num_query_groups=8, vocab_size=128256, make_vocab_size_divisible_by=128)

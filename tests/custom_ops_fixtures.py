@@ -22,12 +22,12 @@ def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _rope_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _rope_setup(ctx, inputs, output) -> None:
     _, cos, sin = inputs
     ctx.save_for_backward(cos, sin)
 
 
-def _rope_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+def _rope_backward(ctx, grad: torch.Tensor):
     cos, sin = ctx.saved_tensors
     u1, u2 = (grad * sin).chunk(2, dim=-1)
     return grad * cos + torch.cat((u2, -u1), dim=-1), None, None
@@ -47,11 +47,11 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def _swiglu_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _swiglu_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[0])
 
 
-def _swiglu_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+def _swiglu_backward(ctx, grad: torch.Tensor):
     (x,) = ctx.saved_tensors
     a, b = x.chunk(2, dim=-1)
     s = torch.sigmoid(a)
@@ -88,13 +88,13 @@ class _SwigluForgotTheDerivative(torch.autograd.Function):
     """Forward right; backward uses sigmoid(a) for SiLU's derivative (the a * s * (1 - s) term is missing)."""
 
     @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
+    def forward(ctx, x):
         ctx.save_for_backward(x)
         a, b = x.chunk(2, dim=-1)
         return F.silu(a) * b
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         a, b = x.chunk(2, dim=-1)
         s = torch.sigmoid(a)

@@ -175,7 +175,6 @@ def _train_rank(rank: int, world_size: int, init_file: str, spec_d: dict, out_di
         engine.save_checkpoint(out_dir, tag=spec.tag, client_state={"data_position": 6 * spec.steps, "note": "fixture"})
         result = {"losses": losses, "probe_loss": _probe_loss(engine),
                   "optimizer_class": type(engine.optimizer.optimizer).__name__,
-            "wrapper_class": type(engine.optimizer).__name__,
                   "wrapper_class": type(engine.optimizer).__name__}
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()

@@ -8,13 +8,12 @@ numbers are broken the ways a hostile or unlucky user breaks them.
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

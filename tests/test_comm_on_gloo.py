@@ -7,7 +7,7 @@ One worker group per world size (module-scoped); every part runs on it through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -74,7 +74,8 @@ def test_calibration_recovers_hidden_factors_and_improves_ranking():
     calibrated model predicts the others within a few percent (the uncalibrated one does not)."""
     model = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
                        num_query_groups=8, vocab_size=32000, seq_length=2048)
-    train, cluster, device = TrainingShape(global_batch_size=64), ClusterShape(device_count=16, devices_per_node=8), load_profile("h100")
+    train, device = TrainingShape(global_batch_size=64), load_profile("h100")
+    cluster = ClusterShape(device_count=16, devices_per_node=8)
     space = enumerate_space(model, train, cluster, SpaceOptions(frameworks=("megatron",), recompute=("none",)))
     all_terms = [cost_terms(model, train, cluster, c, device) for c in space.valid]
     truth_factors = {t: 1.0 for t in TERMS} | {"compute": 1.6, "overhead_megatron": 3.0, "tp_comm": 1.4, "dp_allreduce": 0.7,

@@ -172,8 +172,9 @@ def test_torchtitan_names_and_rope_rows_both_ways(tmp_path):
         saved = torch.load(tmp_path / "tt.pt", weights_only=True)
     hf = model.state_dict()
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
-    assert torch.equal(saved["layers.1.attention.wq.weight"], _torchtitan_from_hf(hf["model.layers.1.self_attn.q_proj.weight"], heads))
-    assert torch.equal(saved["layers.0.attention.wk.weight"], _torchtitan_from_hf(hf["model.layers.0.self_attn.k_proj.weight"], kv))
+    q, k = hf["model.layers.1.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(saved["layers.1.attention.wq.weight"], _torchtitan_from_hf(q, heads))
+    assert torch.equal(saved["layers.0.attention.wk.weight"], _torchtitan_from_hf(k, kv))
     assert torch.equal(saved["layers.0.feed_forward.w3.weight"], hf["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(saved["output.weight"], hf["lm_head.weight"]) and "tok_embeddings.weight" in saved
     convert(tmp_path / "tt", tmp_path / "back", to="hf")

@@ -87,7 +87,7 @@ def megatron_layout(state: dict[tuple[str, str], torch.Tensor], *, heads: int, g
     layers = CONFIG["num_hidden_layers"]
     out = {}
     for kind, prefix in kinds.items():
-        def t(name):
+        def t(name, kind=kind):
             return state[(name, kind)]
 
         def stacked(fn):
@@ -173,7 +173,8 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path,
     assert read_index(dst).meta["train_state"]["step"] == 3
     spec = ModelSpec(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
                      ffn_hidden_size=CONFIG["intermediate_size"], num_attention_heads=CONFIG["num_attention_heads"],
-                     num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB, seq_length=CONFIG["max_position_embeddings"],
+                     num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB,
+                     seq_length=CONFIG["max_position_embeddings"],
                      make_vocab_size_divisible_by=128, norm_eps=CONFIG["rms_norm_eps"], rotary_base=10000.0,
                      tied_embeddings=run is TIED)
     # the user's own Megatron-LM schedule from the samples consumed (--override-opt_param-scheduler)

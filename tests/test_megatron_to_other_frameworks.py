@@ -2,7 +2,8 @@
 
 Megatron's row-parallel pieces (column slices of o_proj / down_proj at TP > 1) are not contiguous in
 the canonical tensor, while ZeRO shards are flat ranges: the planner meets them as a few region items per
-(slice, partition) pair. Checks: the copies are exact element for element; the converted checkpoints re-read equal to the source, optimizer state
+(slice, partition) pair. Checks: the copies are exact element for element; the converted checkpoints re-read
+equal to the source, optimizer state
 included (Megatron's per-group Adam step becomes torch Adam's per-parameter step); the frameworks' own
 loaders resume from them and continue with the source's loss.
 """
@@ -54,7 +55,8 @@ def test_tp_slices_meet_zero_partitions_element_for_element(shape, split_dim, tp
     source = CheckpointIndex(format="megatron", root="src", files=("tp",),
                              entries=(TensorEntry(key=key, shape=shape, dtype="float64", chunks=tuple(chunks)),))
     target = TargetSpec(index=CheckpointIndex(format="deepspeed", root="dst", files=("zero",), entries=(
-        TensorEntry(key=key, shape=shape, dtype="float64", chunks=parts),)), files=(TargetFile(path="zero", role="optim", rank=0),))
+        TensorEntry(key=key, shape=shape, dtype="float64", chunks=parts),)),
+        files=(TargetFile(path="zero", role="optim", rank=0),))
     plan = make_plan(source, target)
     per_pair: dict = {}
     for item in plan.items:

@@ -21,18 +21,18 @@ def _megatron_line(iteration: int, train_iters: int, samples: int, lr: float, lo
                    nan_iters: int = 0) -> str:
     """One line exactly as megatron/training/training.py training_log() formats it."""
     log_string = f" [{datetime(2026, 1, 1, 12, 0, 0).strftime('%Y-%m-%d %H:%M:%S')}]"
-    log_string += ' iteration {:8d}/{:8d} |'.format(iteration, train_iters)
-    log_string += ' consumed samples: {:12d} |'.format(samples)
-    log_string += ' elapsed time per iteration (ms): {:.1f} |'.format(123.4)
+    log_string += f' iteration {iteration:8d}/{train_iters:8d} |'
+    log_string += f' consumed samples: {samples:12d} |'
+    log_string += f' elapsed time per iteration (ms): {123.4:.1f} |'
     log_string += ' memory(GiB): 12.5 | elapsed time: 0:01:02 | remaining time: 0:10:00 |'
-    log_string += ' learning rate: {:.6E} |'.format(lr)
-    log_string += ' global batch size: {:5d} |'.format(8)
+    log_string += f' learning rate: {lr:.6E} |'
+    log_string += f' global batch size: {8:5d} |'
     if loss is not None:
         log_string += ' {}: {:.6E} |'.format("lm loss", loss)
-    log_string += ' loss scale: {:.1f} |'.format(1.0)
-    log_string += ' grad norm: {:.3f} |'.format(grad_norm)
-    log_string += ' number of skipped iterations: {:3d} |'.format(0)
-    log_string += ' number of nan iterations: {:3d} |'.format(nan_iters)
+    log_string += f' loss scale: {1.0:.1f} |'
+    log_string += f' grad norm: {grad_norm:.3f} |'
+    log_string += f' number of skipped iterations: {0:3d} |'
+    log_string += f' number of nan iterations: {nan_iters:3d} |'
     return log_string
 
 

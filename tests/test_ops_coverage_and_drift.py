@@ -18,7 +18,8 @@ class Block(nn.Module):
         self.heads = heads
         self.norm1, self.norm2 = nn.RMSNorm(h), nn.RMSNorm(h)
         self.qkv, self.proj = nn.Linear(h, 3 * h, bias=False), nn.Linear(h, h, bias=False)
-        self.gate, self.up, self.down = nn.Linear(h, 2 * h, bias=False), nn.Linear(h, 2 * h, bias=False), nn.Linear(2 * h, h, bias=False)
+        self.gate, self.up = nn.Linear(h, 2 * h, bias=False), nn.Linear(h, 2 * h, bias=False)
+        self.down = nn.Linear(2 * h, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape

@@ -48,7 +48,8 @@ def test_a_kernel_that_approximates_is_caught():
 
 def test_unsupported_dtype_is_reported_not_raised():
     inv = OpCase(name="inverse", grad=("a",), fn=lambda a: torch.linalg.inv(a),
-                 make=lambda g: {"a": torch.eye(4, dtype=torch.float64) + 0.1 * torch.randn(4, 4, generator=g, dtype=torch.float64)})
+                 make=lambda g: {"a": torch.eye(4, dtype=torch.float64)
+                                 + 0.1 * torch.randn(4, 4, generator=g, dtype=torch.float64)})
     result = run_case(inv, "cpu", torch.float16, "fp16")
     assert result.status == "unsupported" and "Half" in result.reason
 

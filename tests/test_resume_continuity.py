@@ -4,7 +4,6 @@ dataloader and a reset RNG are caught with the right reason. Real DeepSpeed runs
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -52,7 +51,8 @@ def _resume(sources, tmp_path, src_dp, dst_dp, fault=None):
     verdict = compare_continuations(target, baseline, same_layout=src_dp == dst_dp, rng_decisions=rng_decisions(report),
                                     rtol=1e-5, atol=1e-6)
     print(f"\n[resume dp{src_dp}->dp{dst_dp}{' ' + fault if fault else ''}] max |loss diff| over {K} steps: "
-          f"{verdict.max_loss_diff:.3g}; max grad norm rel diff {verdict.max_grad_norm_rel_diff:.3g}; data order: {verdict.data_order}; rng: {verdict.rng}; reasons: {verdict.reasons}")
+          f"{verdict.max_loss_diff:.3g}; max grad norm rel diff {verdict.max_grad_norm_rel_diff:.3g}; "
+          f"data order: {verdict.data_order}; rng: {verdict.rng}; reasons: {verdict.reasons}")
     return verdict, report, target, baseline
 
 

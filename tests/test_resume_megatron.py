@@ -53,7 +53,8 @@ def test_megatron_job_moves_to_another_split_and_continues(tmp_path, source, tar
     assert report["data_order"].startswith("identical"), report["data_order"]
     assert report["rng"].startswith("every rank"), report["rng"]  # Megatron-LM's rng_state carried or derived
     assert {e["state"] for e in report["state_report"]["states"]} >= {"data position", "iteration"}
-    target_losses = [json.loads(line)["loss"] for line in (tmp_path / "work" / "resume" / "metrics.jsonl").read_text().splitlines()]
-    baseline_losses = [json.loads(line)["loss"] for line in (tmp_path / "work" / "resume" / "baseline_metrics.jsonl").read_text().splitlines()]
+    resume = tmp_path / "work" / "resume"
+    target_losses = [json.loads(line)["loss"] for line in (resume / "metrics.jsonl").read_text().splitlines()]
+    baseline_losses = [json.loads(line)["loss"] for line in (resume / "baseline_metrics.jsonl").read_text().splitlines()]
     assert len(target_losses) == len(baseline_losses) == 3
     assert max(abs(a - b) / abs(b) for a, b in zip(target_losses, baseline_losses)) <= 1e-5

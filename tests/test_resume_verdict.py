@@ -97,7 +97,8 @@ def test_grad_norm_lr_and_consumed_samples_are_compared_per_step():
 
 def test_same_layout_requires_a_bit_identical_grad_norm():
     v = _judge_full(_full([4.0, 3.5, 3.0], [1.0, 0.9 * (1 + 1e-9), 0.8], [1e-3, 9e-4, 8e-4], [16, 18, 20]), same_layout=True)
-    assert len(v.reasons) == 1 and v.reasons[0].startswith("grad norm differs at step 8 at the same layout (must be bit-identical)")
+    assert len(v.reasons) == 1
+    assert v.reasons[0].startswith("grad norm differs at step 8 at the same layout (must be bit-identical)")
 
 
 def test_a_loaded_state_that_differs_fails_before_any_step_naming_the_tensor_and_its_numbers():

@@ -18,7 +18,8 @@ from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
 
 MODEL = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=8,
                    vocab_size=32000, seq_length=2048)
-PROBLEM = Problem(model=MODEL, train=TrainingShape(global_batch_size=64), cluster=ClusterShape(device_count=16, devices_per_node=8),
+PROBLEM = Problem(model=MODEL, train=TrainingShape(global_batch_size=64),
+                  cluster=ClusterShape(device_count=16, devices_per_node=8),
                   device=load_profile("h100"), space=SpaceOptions(recompute=("none",), context_parallel=(1,)))
 # The "hardware": analytic terms scaled by factors the search does not know.
 TRUTH = Calibration(factors={"compute": 1.7, "bubble": 1.7, "overhead_megatron": 4.0, "overhead_deepspeed": 6.0,

@@ -56,7 +56,8 @@ def test_moe_space_has_expert_parallel_candidates_and_dense_has_none():
 def test_sharding_over_a_single_rank_is_reported_as_redundant():
     cand = Candidate(framework="megatron", layout=ParallelLayout(tp=4, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER),
                      micro_batch_size=1, sequence_parallel=True)
-    problems = candidate_problems(TINY_MOE, TrainingShape(global_batch_size=8), ClusterShape(device_count=4, devices_per_node=4), cand)
+    cluster = ClusterShape(device_count=4, devices_per_node=4)
+    problems = candidate_problems(TINY_MOE, TrainingShape(global_batch_size=8), cluster, cand)
     assert any("shards nothing" in p for p in problems)
 
 

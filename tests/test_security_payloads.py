@@ -13,7 +13,8 @@ from __future__ import annotations
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch

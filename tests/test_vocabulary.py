@@ -72,7 +72,9 @@ def test_comm_in_both_spellings_checks_the_same_and_notes_the_earlier_one(tmp_pa
                  "--json FILE is deprecated: --json prints the result on stdout, --report DIR writes it to DIR",
                  "dtype 'float32' is deprecated, use 'fp32'", "dtype 'bfloat16' is deprecated, use 'bf16'"):
         assert f"note: {note} (accepted until migrate 0.3)" in earlier.output
-    cells = lambda res: sorted((c["check"], c["dtype"], c["numel"], c["status"]) for c in res["matrix"]["cells"])
+    def cells(res):
+        return sorted((c["check"], c["dtype"], c["numel"], c["status"]) for c in res["matrix"]["cells"])
+
     written = json.loads((tmp_path / "old.json").read_text())
     assert cells(written) == cells(printed) and len(cells(printed)) == 2
     assert (tmp_path / "new" / "comm.md").is_file() and (tmp_path / "old" / "comm.md").is_file()

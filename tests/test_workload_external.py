@@ -24,9 +24,14 @@ def test_template_names_unknown_and_missing_placeholders():
 
 
 def test_megatron_log_lines_become_metrics(tmp_path):
-    log = """ [2026-01-01 10:00:00] iteration        1/      10 | consumed samples:            8 | elapsed time per iteration (ms): 812.5 | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: 1.093750E+01 | loss scale: 1.0 | grad norm: 3.217 | number of skipped iterations:   0 |
-some other line
- [2026-01-01 10:00:01] iteration        2/      10 | consumed samples:           16 | elapsed time per iteration (ms): 640.1 | learning rate: 3.000000E-04 | global batch size:     8 | lm loss: 1.012500E+01 | loss scale: 1.0 | grad norm: nan |"""
+    log = "\n".join([
+        " [2026-01-01 10:00:00] iteration        1/      10 | consumed samples:            8 | elapsed time per "
+        "iteration (ms): 812.5 | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: 1.093750E+01 | "
+        "loss scale: 1.0 | grad norm: 3.217 | number of skipped iterations:   0 |",
+        "some other line",
+        " [2026-01-01 10:00:01] iteration        2/      10 | consumed samples:           16 | elapsed time per "
+        "iteration (ms): 640.1 | learning rate: 3.000000E-04 | global batch size:     8 | lm loss: 1.012500E+01 | "
+        "loss scale: 1.0 | grad norm: nan |"])
     (tmp_path / "rank0.log").write_text(log)
     run = read_metrics(tmp_path / "rank0.log")
     loss, grad_norm, lr = run.find("loss"), run.find("grad_norm"), run.find("lr")
@@ -50,7 +55,8 @@ def test_tensorboard_scalars_become_metrics(tmp_path):
 def test_command_runs_on_every_rank_with_torchrun_env(tmp_path):
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
 
-    script = "import os; print('iteration 1/1 | lm loss: %s |' % os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])"
+    script = ("import os; print('iteration 1/1 | lm loss: %s |' % os.environ['RANK'], os.environ['WORLD_SIZE'], "
+              "os.environ['MASTER_PORT'])")
     with start_worker_group(WorkerGroupSpec(world_size=2, mode="local", init_distributed=False)) as group:
         results = group.run(run_external, [sys.executable, "-c", script], str(tmp_path))
     assert [r.returncode for r in results] == [0, 0]

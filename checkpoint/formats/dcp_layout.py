@@ -8,8 +8,9 @@ the optimizer saved with `flatten_optimizer_state_dict=True`: `optimizer.state.<
 path (DCP's planner data). Optimizer state is recognised by its shape of path wherever it sits:
 `(*root, "state", <fqn>, <name>)` nested, `(*root, "state.<fqn>.<name>")` flattened, where `<name>` is Adam's
 `exp_avg|exp_avg_sq|step` or, beside a torch optimizer's `param_groups` under the same root, any state name
-(SGD's `momentum_buffer`, `max_exp_avg_sq`, ...); the optimizer root is where those sit. The model root is the one prefix under which the optimizer's parameter
-names are found (without optimizer state: the prefix holding the most tensor bytes). Every other item is
+(SGD's `momentum_buffer`, `max_exp_avg_sq`, ...); the optimizer root is where those sit. The model root is the
+one prefix under which the optimizer's parameter names are found (without optimizer state: the prefix holding the
+most tensor bytes). Every other item is
 carried as a value.
 """
 

@@ -348,7 +348,9 @@ def _check_rank_files_agree(optim: Sequence[Any], optim_paths: Sequence[Path], s
 
     def steps(r: int) -> dict[Any, Any]:
         st = _at(optim, r, state_path)
-        return {} if st is _ABSENT or not isinstance(st, Mapping) else             {g: scalar(s.get("step")) for g, s in st.items() if isinstance(s, Mapping)}
+        if st is _ABSENT or not isinstance(st, Mapping):
+            return {}
+        return {g: scalar(s.get("step")) for g, s in st.items() if isinstance(s, Mapping)}
 
     per = {str(p): optim[r] for r, p in enumerate(optim_paths)}
     check_agreement("Adam's step per param group", {str(p): steps(r) for r, p in enumerate(optim_paths)})
@@ -627,7 +629,7 @@ def _z3_flat_groups(groups: Sequence[Sequence[Param]], dp: int, sub_group_size: 
 
 
 def _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters: bool = False) -> list[TensorEntry]:
-    for gid, g in enumerate(groups):
+    for gid in range(len(groups)):
         for r in range(dp):
             pc = optim[r][OSD].get("partition_count")
             count = pc[gid] if isinstance(pc, list) else pc
@@ -996,7 +998,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
     else:
         bf16_optimizer = meta.get("optimizer_flavor") == BF16_OPTIMIZER
         paddings, slice_maps = [], []
-        for gid, fg in enumerate(meta["flat_groups"]):
+        for fg in meta["flat_groups"]:
             if rank != dp - 1:
                 paddings.append(0)
             else:  # BF16_Optimizer: the group's whole padding; ZeRO-1/2: what its lean master lacks

@@ -337,5 +337,7 @@ def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
                      max_shard_size=opts.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 
 
-SPEC = CheckpointFormat(name=FORMAT, description="Hugging Face save_pretrained folders (config.json, sharded safetensors; llama, mixtral, starcoder2)",
+SPEC = CheckpointFormat(name=FORMAT,
+                        description="Hugging Face save_pretrained folders (config.json, sharded safetensors; llama, mixtral, "
+                                    "starcoder2, qwen2, qwen3, qwen3_moe)",
                         detect=is_hf_checkpoint, read=_read, target=_target, writer=HFWriter(), names="canonical")

@@ -5,8 +5,9 @@ world size.
 `Trainer._save_checkpoint` writes `trainer_state.json` (global step, log history, callbacks' state: required
 by `train(resume_from_checkpoint=...)`), the model's `config.json` (and `generation_config.json`),
 `rng_state_{process}.pth` per process (`rng_state.pth` on one), `scheduler.pt` where no engine holds the
-scheduler (under DeepSpeed its engine files keep either scheduler), and `training_args.bin` (a pickled TrainingArguments, never loaded on
-resume: not read, not carried). On resume each process loads its own RNG file: a target rank takes the
+scheduler (under DeepSpeed its engine files keep either scheduler), and `training_args.bin` (a pickled
+TrainingArguments, never loaded on resume: not read, not carried). On resume each process loads its own RNG file:
+a target rank takes the
 state of the source rank at the same place when the world size is kept, one copy when every source rank
 holds the same state (the Trainer seeds every process alike), else a state derived from (step, rank)
 (`checkpoint.state.rng.plan_rng`, its decisions reported).

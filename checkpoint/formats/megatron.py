@@ -53,7 +53,8 @@ from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
                                              our_client_state, report_dict)
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
-                                       canonical_shape, canonical_tensors, expert_range, flat_run_boxes, hf_order, holds_model_tensor,
+                                       canonical_shape, canonical_tensors, expert_range, flat_run_boxes, hf_order,
+                                       holds_model_tensor,
                                        holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
                                        stored_rules, tp_local_cols, tp_local_rows)
 
@@ -494,7 +495,7 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
         return layout
     ranks = {m.group(1) for info in storage.values() if (m := _RANK_FILE_RE.match(info.relative_path))}
     dense, expert, gbufs, dtypes, dp = set(), set(), set(), set(), None
-    for key, tmd in tensors.items():
+    for key in tensors:
         if m := _DPR_RE.match(key):
             (expert if m.group(1) == "1" else dense).add(int(m.group(2)))
             if m.group(1) in (None, "0"):

@@ -31,7 +31,8 @@ SUMMARY_FIELDS = (
     "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size", "world_size",
-    "use_distributed_optimizer", "overlap_grad_reduce", "ddp_bucket_size", "ckpt_format", "params_dtype", "micro_batch_size", "global_batch_size",
+    "use_distributed_optimizer", "overlap_grad_reduce", "ddp_bucket_size", "ckpt_format", "params_dtype",
+    "micro_batch_size", "global_batch_size",
     "consumed_train_samples", "iteration", "train_iters",
 )
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",

@@ -63,7 +63,7 @@ class ArchSpec:
         """Per-head q/k norms (Megatron's qk_layernorm; Qwen3, Qwen3-MoE)."""
         return Q_NORM_KEY in RULES[self.architecture].by_key()
 
-    def ffn_of(self, rule: "TensorRule") -> int:
+    def ffn_of(self, rule: TensorRule) -> int:
         """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
         return self.expert_ffn_hidden_size if rule.scope == "expert" else self.ffn_hidden_size
 
@@ -73,7 +73,7 @@ class ArchSpec:
         return math.ceil(self.vocab_size / m) * m
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ArchSpec":
+    def from_dict(cls, d: dict) -> ArchSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 

@@ -7,8 +7,9 @@ Qwen3's `self_attn.q_norm`), as `save_pretrained`,
 an HF-Trainer DeepSpeed run or an FSDP2-wrapped transformers model store them; `torchtitan`, torchtitan's
 Llama (`tok_embeddings`, `attention.wq`, `feed_forward.w1`, `output`), whose wq/wk rows are in Meta's
 interleaved RoPE order: torchtitan's `Llama3StateDictAdapter` permutes them to and from transformers' order
-(`rope_rows`); torchtitan's Qwen3 (`attention.q_norm`), whose rows are in transformers' order. Templates hold `{L}` (layer), `{E}` (expert) and `{P}` (weight|bias). A name no row holds is
-an error naming it and the closest known names.
+(`rope_rows`); torchtitan's Qwen3 (`attention.q_norm`), whose rows are in transformers' order. Templates hold
+`{L}` (layer), `{E}` (expert) and `{P}` (weight|bias). A name no row holds is an error naming it and the closest
+known names.
 """
 
 from __future__ import annotations

@@ -342,7 +342,8 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
             if fault == "swap_moments":
                 replace[idx], replace[other] = _serialized(load(other)), _serialized(load(idx))
             else:
-                replace[idx], replace[other] = _serialized(torch.zeros_like(load(idx))), _serialized(torch.zeros_like(load(other)))
+                replace[idx] = _serialized(torch.zeros_like(load(idx)))
+                replace[other] = _serialized(torch.zeros_like(load(other)))
     elif fault == "reset_step":
         replace = {idx: _serialized(torch.zeros_like(load(idx))) for idx in ordered if roles[idx][0] == "step"}
     elif fault in ("nan_weights", "scale_weights", "perturb_master", "round_master_bf16"):

@@ -66,7 +66,7 @@ class StatePrint:
                 "values": dict(sorted(self.values.items()))}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StatePrint":
+    def from_dict(cls, data: Mapping[str, Any]) -> StatePrint:
         tensors = {k: TensorPrint(shape=tuple(v["shape"]), dtype=v["dtype"], count=int(v["count"]),
                                   hash=int(v["hash"], 16), sum_sq=float(v["norm"]) ** 2, abs_max=float(v["abs_max"]),
                                   nonfinite=int(v["nonfinite"]))

@@ -82,7 +82,7 @@ class _Recorder(TorchDispatchMode):
         self.devices: dict[str, set[str]] = {}
         self.cpu_outputs: set[str] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         self.counts[name] += 1
         inputs = {str(t.device) for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)}

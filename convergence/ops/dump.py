@@ -196,7 +196,7 @@ class _CallRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.stack = stack
         self.calls: list[tuple[str, str, torch.Tensor]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         first = out if isinstance(out, torch.Tensor) else next(
             (o for o in out if isinstance(o, torch.Tensor)), None) if isinstance(out, (tuple, list)) else None
@@ -388,7 +388,7 @@ def compare_model(directory: str | Path, model_factory: Callable[[], nn.Module],
         captured = capture_step(model, batch, loss_fn, run)
     loss, layers_here = captured
     limit = max(DRIFT_LIMIT[run.dtype], DRIFT_LIMIT[DTYPE_NAMES[entry["dtype"]]])
-    if [(n, k) for n, k, _ in layers_here] != [(l["layer"], l["kind"]) for l in entry["layers"]]:
+    if [(n, k) for n, k, _ in layers_here] != [(x["layer"], x["kind"]) for x in entry["layers"]]:
         raise DumpError(f"{directory}: the model here captures {len(layers_here)} tensors, the dump "
                         f"{len(entry['layers'])}: the two runs must execute the same modules")
     layers = tuple(_drift(i, n, k, t, saved[f"layer.{i}"].to(torch.float64), limit)

@@ -166,8 +166,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
         custom_ops = [o for o in c["ops"] if o.get("custom")]
         lines += ["", f"Coverage on {c['dispatch_key']}: {len(c['ops'])} operators, missing {c['missing'] or 'none'}, "
                       f"fallback {c['fallback'] or 'none'}"
-                      + (", custom: " + ", ".join(f"{o['op']} ({'checked as ' + o['registered'] if o['registered'] else 'not registered'})"
-                                                  for o in custom_ops) if custom_ops else "")]
+                      + (", custom: " + ", ".join(
+                          f"{o['op']} ({'checked as ' + o['registered'] if o['registered'] else 'not registered'})"
+                          for o in custom_ops) if custom_ops else "")]
     if "drift" in result:
         d = result["drift"]
         lines += ["", f"Layer drift ({d['a']['dtype']} on {d['a']['device']} vs {d['b']['dtype']} on {d['b']['device']}): "

@@ -136,7 +136,8 @@ def device_facts(device: str, size: CheckSize) -> StepReport:
     return StepReport(name="device_facts", status="ok", data=data,
                       summary=(f"{best} matmul {rows[best]['measured_tflops']:.3g} TFLOP/s (profile {profile.name}: "
                                f"{rows[best]['profile_tflops']}), copy {measured['copy_gbps']:.3g} GB/s (profile "
-                               f"{profile.memory_bandwidth_gbps:g}), memory {'n/a on the cpu' if memory_gb is None else f'{memory_gb:.1f} GB'} "
+                               f"{profile.memory_bandwidth_gbps:g}), memory "
+                               f"{'n/a on the cpu' if memory_gb is None else f'{memory_gb:.1f} GB'} "
                                f"(profile {profile.memory_gb:g})"))
 
 
@@ -388,7 +389,7 @@ def run_check(device: str, out: str | Path, size: str = "full", budget_s: float 
     result = {
         "device": device, "device_name": _device_name(device), "size": size, "budget_s": budget_s,
         "seconds": round(time.monotonic() - began, 2), "torch": torch.__version__,
-        "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kind": kind, "passed": all(r.status == "ok" for r in reports),
         "steps": [dataclasses.asdict(r) for r in reports],
     }

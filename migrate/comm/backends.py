@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping
+from typing import Literal
+from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
@@ -75,7 +76,7 @@ class BackendProbe:
     torch_npu: bool
 
     @classmethod
-    def current(cls) -> "BackendProbe":
+    def current(cls) -> BackendProbe:
         """Probe the running interpreter (``torch.distributed.is_*_available`` and torch_npu)."""
         return cls(
             nccl=dist.is_nccl_available(),

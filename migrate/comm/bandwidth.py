@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -213,7 +214,7 @@ def time_op(call: Callable[[], object], warmup: int, iters: int, device: torch.d
     return (time.perf_counter() - start) / iters
 
 
-def run_bandwidth_on_rank(ctx: "RankContext", plan: BandwidthPlan) -> list[BandwidthObservation]:
+def run_bandwidth_on_rank(ctx: RankContext, plan: BandwidthPlan) -> list[BandwidthObservation]:
     """Worker-group entry point: time every (op, mode, size) of ``plan`` on this rank."""
     device = torch.device(ctx.device)
     dtype = DTYPES[plan.dtype]
@@ -231,7 +232,7 @@ def run_bandwidth_on_rank(ctx: "RankContext", plan: BandwidthPlan) -> list[Bandw
                 warnings.simplefilter("ignore", FutureWarning)
                 call = build_call(op, mode, ctx.rank, ctx.world_size, dtype, chunk, device)
                 seconds = time_op(call, plan.warmup, plan.iters, device)
-        except Exception as exc:  # the backend's own error
+        except Exception as exc:  # noqa: BLE001 - the backend's own error
             out.append(BandwidthObservation(op=op, mode=mode, size_bytes=actual, count=chunk, rank=ctx.rank,
                                             seconds=None, error=f"{type(exc).__name__}: {str(exc).strip()[:400]}"))
             continue

@@ -19,7 +19,8 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -424,7 +425,7 @@ def _fallback_cell(fb: Fallback, dtype_name: str, numel: int, rank: int, world: 
             good, worst, n_bad, first = mx.compare_outputs(
                 outputs, expected, lambda name: mx.tolerance(fb.replaces, dtype, rank, world, numel, name))
             fb_s = _time_calls(lambda: fb.run(rank, world, dtype, numel, device), plan.warmup, plan.iters, device)
-    except Exception as exc:  # the backend's own error
+    except Exception as exc:  # noqa: BLE001 - the backend's own error
         return FallbackObservation(fallback=fb.name, dtype=dtype_name, numel=numel, rank=rank, status="error",
                                    detail=f"{type(exc).__name__}: {str(exc).strip()[:600]}")
     native = mx.run_cell(fb.replaces, dtype_name, numel, rank, world, device, None, f"fallback/{fb.name}")
@@ -438,7 +439,7 @@ def _fallback_cell(fb: Fallback, dtype_name: str, numel: int, rank: int, world: 
         detail="" if good else f"{n_bad} wrong, max |err| {worst}, {first}")
 
 
-def run_fallbacks_on_rank(ctx: "RankContext", plan: FallbackPlan) -> list[FallbackObservation]:
+def run_fallbacks_on_rank(ctx: RankContext, plan: FallbackPlan) -> list[FallbackObservation]:
     """Worker-group entry point: check and time every fallback cell of ``plan`` on this rank.
 
     Times include building the inputs on both sides (fallback and native), so the

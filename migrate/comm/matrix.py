@@ -26,7 +26,8 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -632,7 +633,7 @@ def run_cell(check: str, dtype_name: str, numel: int, rank: int, world: int, dev
             synchronize(device)
             if corrupting:
                 _corrupt(outputs)
-    except Exception as exc:  # the backend's own error is the observation
+    except Exception as exc:  # noqa: BLE001 - the backend's own error is the observation
         return CellObservation(check=check, dtype=dtype_name, numel=numel, rank=rank, status="error",
                                error=f"{type(exc).__name__}: {str(exc).strip()[:600]}",
                                seconds=time.perf_counter() - start)
@@ -668,8 +669,9 @@ def merge_observations(plan: MatrixPlan, per_rank: Sequence[Sequence[CellObserva
     for rank, obs in enumerate(per_rank):
         got = [(o.check, o.dtype, o.numel) for o in obs]
         if got != cells:
+            first = next((i for i, (a, b) in enumerate(zip(got, cells)) if a != b), min(len(got), len(cells)))
             raise ValueError(f"rank {rank} returned {len(got)} observations for {len(cells)} planned cells "
-                             f"(first difference at {next((i for i, (a, b) in enumerate(zip(got, cells)) if a != b), min(len(got), len(cells)))})")
+                             f"(first difference at {first})")
     merged: list[MatrixCell] = []
     for i, (check, dtype, numel) in enumerate(cells):
         row = [per_rank[r][i] for r in range(world)]

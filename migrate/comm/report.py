@@ -15,7 +15,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from migrate.comm.bandwidth import BandwidthRow
 from migrate.comm.fallbacks import FallbackChoice, FallbackResult

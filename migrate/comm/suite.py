@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from migrate.comm import bandwidth as bw
 from migrate.comm import fallbacks as fb
@@ -43,7 +44,7 @@ class OptionInputs:
     framework: Mapping[str, object]
 
 
-def run_suite(group: "WorkerGroup", suite: CommSuite, *, options: OptionInputs | None = None,
+def run_suite(group: WorkerGroup, suite: CommSuite, *, options: OptionInputs | None = None,
               timeout_s: float | None = None) -> CommResult:
     """Run the suite's parts on every rank of ``group`` and merge them into a :class:`CommResult`."""
     contexts = group.contexts()
@@ -73,7 +74,7 @@ def run_suite(group: "WorkerGroup", suite: CommSuite, *, options: OptionInputs |
         backend=ctx0.backend, device_type=ctx0.device_type, world_size=ctx0.world_size,
         torch_version=torch.__version__, nodes=tuple(dict.fromkeys(c.node for c in contexts)), matrix=matrix,
         fallbacks=fallback_results, fallback_choices=choices, bandwidth=rows, option_mapping=mapping,
-        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn
+from collections.abc import Mapping, Sequence
 
 import click
 

@@ -25,7 +25,8 @@ def command(job_file: Path, as_json: bool) -> None:
         if art is None:
             rows.append({"stage": name, "status": "not run", "verdict": None, "finished_at": None, "current": False})
             continue
-        upstream = {d: a for d in STAGES[name].upstream_in(tuple(job.stage_options), job.stage_options.get(name)) if (a := read_artifact(job, d)) is not None}
+        upstream = {d: a for d in STAGES[name].upstream_in(tuple(job.stage_options), job.stage_options.get(name))
+                    if (a := read_artifact(job, d)) is not None}
         digest, _ = input_hash(STAGES[name], job, upstream)
         rows.append({"stage": name, "status": art.status.value, "verdict": art.verdict,
                      "finished_at": art.finished_at, "current": digest == art.input_hash,

@@ -37,7 +37,8 @@ import contextlib
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -136,7 +137,7 @@ class _NoOpStream:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         return lambda *args, **kwargs: None
 
-    def record_event(self, event: Any = None) -> "_NoOpStream":
+    def record_event(self, event: Any = None) -> _NoOpStream:
         return event if event is not None else _NoOpStream()
 
     def query(self) -> bool:
@@ -145,7 +146,7 @@ class _NoOpStream:
     def elapsed_time(self, other: Any) -> float:
         return 0.0
 
-    def __enter__(self) -> "_NoOpStream":
+    def __enter__(self) -> _NoOpStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

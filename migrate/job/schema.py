@@ -48,7 +48,7 @@ class LayoutSection(Section):
     """the rank order of the axes, fastest first (Megatron-Core's default: tp-cp-ep-dp-pp)"""
 
     @model_validator(mode="after")
-    def _valid_layout(self) -> "LayoutSection":
+    def _valid_layout(self) -> LayoutSection:
         try:
             self.to_layout()
         except LayoutError as exc:
@@ -103,7 +103,7 @@ class ClusterSection(Section):
     device's default (gloo for cpu, nccl for cuda, hccl for npu, xccl for xpu)"""
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ClusterSection":
+    def _consistent(self) -> ClusterSection:
         per_node = self.devices_per_node or self.device_count
         if self.device_count % per_node:
             raise ValueError(f"device_count({self.device_count}) is not a multiple of devices_per_node({per_node})")
@@ -127,7 +127,7 @@ class SourceSection(Section):
     cluster: ClusterSection
 
     @model_validator(mode="after")
-    def _layout_fits_cluster(self) -> "SourceSection":
+    def _layout_fits_cluster(self) -> SourceSection:
         layout = self.layout.to_layout()
         if layout.world_size != self.cluster.device_count:
             raise ValueError(
@@ -165,7 +165,7 @@ class TargetSection(ClusterSection):
     timeout_s: PositiveFloat = Field(default=300.0, description="limit for one call on the worker group")
 
     @model_validator(mode="after")
-    def _layout_fits(self) -> "TargetSection":
+    def _layout_fits(self) -> TargetSection:
         if self.layout is not None:
             layout = self.layout.to_layout()
             if layout.world_size != self.device_count:
@@ -213,7 +213,7 @@ class ModelSection(Section):
     """the normalization layers' epsilon"""
 
     @model_validator(mode="after")
-    def _shapes(self) -> "ModelSection":
+    def _shapes(self) -> ModelSection:
         heads, groups = self.num_attention_heads, self.query_groups
         if self.hidden_size % heads:
             raise ValueError(f"hidden_size({self.hidden_size}) is not divisible by num_attention_heads({heads})")
@@ -244,7 +244,8 @@ class ModelSection(Section):
             problems.append(f"{where}: tp({layout.tp}) does not divide model.ffn_hidden_size({self.ffn_hidden_size})")
         stages = layout.pp * layout.vpp
         if self.num_layers % stages:
-            problems.append(f"{where}: pp({layout.pp}) * vpp({layout.vpp}) = {stages} does not divide model.num_layers({self.num_layers})")
+            problems.append(f"{where}: pp({layout.pp}) * vpp({layout.vpp}) = {stages} does not divide "
+                            f"model.num_layers({self.num_layers})")
         if layout.ep > 1 and self.num_experts == 0:
             problems.append(f"{where}: ep({layout.ep}) > 1 needs a MoE model, model.num_experts is 0")
         if self.num_experts and self.num_experts % layout.ep:
@@ -352,7 +353,7 @@ class JobSpec(Section):
     tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "JobSpec":
+    def _cross_checks(self) -> JobSpec:
         problems: list[str] = []
         layouts = [("source.layout", self.source.layout.to_layout(), None)]
         if self.target.layout is not None:

@@ -45,8 +45,8 @@ def preview(job: Job, stages: Sequence[str] | None = None, *, force: bool = Fals
         else:
             upstream = {d: read_artifact(job, d) for d in deps}
             digest, _ = input_hash(stage, job, {k: v for k, v in upstream.items() if v is not None})
-            made = decide(stage=name, input_hash=digest, previous=read_artifact(job, stage.key(job.stage_options.get(name))), force=force,
-                          upstream=upstream)
+            previous = read_artifact(job, stage.key(job.stage_options.get(name)))
+            made = decide(stage=name, input_hash=digest, previous=previous, force=force, upstream=upstream)
             decision = Preview(name, made.action, made.reason)
         predicted[name] = decision
         out.append(decision)

@@ -14,8 +14,9 @@ import json
 import re
 import time
 import traceback
-from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Sequence
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from migrate.job.job import Job
 from migrate.progress import LiveStatus
@@ -70,7 +71,7 @@ def input_hash(stage: StageDefinition, job: Job, upstream: Mapping[str, StageArt
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _run_stage(stage: StageDefinition, ctx: StageContext) -> tuple[StageOutcome | None, str]:

@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -78,7 +79,7 @@ class StageArtifact:
         return json.dumps(data, indent=2, sort_keys=True, default=str)
 
     @classmethod
-    def from_json(cls, text: str) -> "StageArtifact":
+    def from_json(cls, text: str) -> StageArtifact:
         data = json.loads(text)
         data["status"] = StageStatus(data["status"])
         data["reasons"] = tuple(data.get("reasons", ()))
@@ -105,17 +106,17 @@ class StageTracker(Protocol):
 class StageContext:
     """Everything a stage may use: the job, its options, its folder, upstream results, effects."""
 
-    job: "Job"
+    job: Job
     options: BaseModel
     work_dir: Path
     upstream: Mapping[str, StageArtifact]
     tracker: StageTracker
-    start_group: Callable[..., "WorkerGroup"]
+    start_group: Callable[..., WorkerGroup]
     stage: str
     status: Callable[..., None] = field(default=lambda *args, **kwargs: None)
     """What the stage is doing now, for a live status line (`migrate.progress.LiveStatus`); None: quiet."""
 
-    def worker_group(self, **overrides: Any) -> "WorkerGroup":
+    def worker_group(self, **overrides: Any) -> WorkerGroup:
         """Start a worker group on the job's target (``overrides`` change spec fields)."""
         world = overrides.get("world_size")
         self.status(f"starting {world} rank(s)" if world else "starting the worker group")
@@ -152,7 +153,7 @@ class StageDefinition:
     depends_on: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     reads: tuple[str, ...] = ("source", "target", "model", "training")
-    fingerprint: Callable[["Job", BaseModel], Mapping[str, Any]] | None = None
+    fingerprint: Callable[[Job, BaseModel], Mapping[str, Any]] | None = None
     version: str = "1"
     uses: Callable[[BaseModel], tuple[str, ...]] | None = None  # which ``after`` stages these options use (default: all)
     artifact_key: Callable[[BaseModel], str] | None = None

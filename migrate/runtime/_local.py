@@ -19,7 +19,8 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, pack_call, setup_rank, teardown_rank
 from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
@@ -182,7 +183,8 @@ class LocalWorkerGroup:
                 if not proc.is_alive():
                     pending.discard(rank)
                     failures.append(
-                        RankFailure(rank, self._contexts[rank].node, "died", f"pid {proc.pid} {_exit_reason(proc.exitcode)} during {what}")
+                        RankFailure(rank, self._contexts[rank].node, "died",
+                                    f"pid {proc.pid} {_exit_reason(proc.exitcode)} during {what}")
                     )
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if pending:
@@ -218,7 +220,7 @@ class LocalWorkerGroup:
         for conn in self._conns:
             conn.close()
 
-    def __enter__(self) -> "LocalWorkerGroup":
+    def __enter__(self) -> LocalWorkerGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,8 @@ import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import cloudpickle
 

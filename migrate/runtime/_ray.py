@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -88,7 +89,7 @@ class RayWorkerGroup:
         self._pids: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
         bundle = _bundle(spec)
         try:
-            for node_rank in range(spec.num_nodes):
+            for _ in range(spec.num_nodes):
                 pg = placement_group([dict(bundle) for _ in range(spec.ranks_per_node)], strategy="STRICT_PACK")
                 self._pgs.append(pg)
             for node_rank, pg in enumerate(self._pgs):
@@ -98,7 +99,8 @@ class RayWorkerGroup:
                     raise WorkerGroupError(
                         "placing the worker group",
                         [RankFailure(node_rank * spec.ranks_per_node, "unplaced", "timeout",
-                                     f"node {node_rank}: {spec.ranks_per_node} bundles of {bundle} could not be placed on one node "
+                                     f"node {node_rank}: {spec.ranks_per_node} bundles of {bundle} could not be placed "
+                                     f"on one node "
                                      f"within {spec.timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")],
                     ) from None
             actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
@@ -169,7 +171,9 @@ class RayWorkerGroup:
                 try:
                     value = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    failures.append(RankFailure(rank, self._node(rank), "died", f"actor process died during {what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    failures.append(RankFailure(rank, self._node(rank), "died",
+                                                f"actor process died during {what}: {type(exc).__name__}: {first}"))
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                     continue
                 except ray.exceptions.RayTaskError as exc:
@@ -228,7 +232,7 @@ class RayWorkerGroup:
             except Exception:  # noqa: BLE001
                 pass
 
-    def __enter__(self) -> "RayWorkerGroup":
+    def __enter__(self) -> RayWorkerGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -4,7 +4,8 @@ implementation (`_local`, `_ray`) follows. Started by `migrate.runtime.worker_gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 from migrate.runtime.backend import DEVICE_TYPES, resolve_backend
 
@@ -116,7 +117,7 @@ class WorkerGroup(Protocol):
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> "WorkerGroup": ...
+    def __enter__(self) -> WorkerGroup: ...
 
     def __exit__(self, *exc: object) -> None: ...
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from migrate.runtime import reaper as _reaper
 
@@ -51,7 +52,7 @@ class RayConnection:
             self.reaper.release()
             self.reaper = None
 
-    def __enter__(self) -> "RayConnection":
+    def __enter__(self) -> RayConnection:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -63,7 +64,8 @@ def _driver_pythonpath() -> str:
     return os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
 
 
-def connect(address: str = "embedded", *, num_cpus: int | None = None, resources: Mapping[str, float] | None = None) -> RayConnection:
+def connect(address: str = "embedded", *, num_cpus: int | None = None,
+            resources: Mapping[str, float] | None = None) -> RayConnection:
     """Start (``embedded``) or join Ray; reuse the session if this process already has one.
 
     ``num_cpus`` for an embedded cluster is a logical count: it may exceed the cores so
@@ -94,7 +96,7 @@ def connect(address: str = "embedded", *, num_cpus: int | None = None, resources
             )
         else:
             ray.init(address=address, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the address in the message
+    except Exception as exc:  # re-raised with the address in the message
         if reaper is not None:
             reaper.release()
         raise RayConnectionError(f"could not {'start' if address == 'embedded' else 'join'} Ray at {address!r}: {exc}") from exc

@@ -48,7 +48,7 @@ class TargetRuntime:
             self._ray = connect(self.target.ray.address, num_cpus=logical_cpus)
         return start_worker_group(spec)
 
-    def resources(self, device_types: Sequence[str]) -> "ClusterResources":
+    def resources(self, device_types: Sequence[str]) -> ClusterResources:
         """What the target cluster offers: this machine for an embedded cluster (nothing started), else the
         alive nodes of the Ray cluster (connected now, and kept for the worker groups)."""
         from migrate.runtime.resources import local_resources, ray_resources
@@ -65,7 +65,7 @@ class TargetRuntime:
             self._ray.close()
             self._ray = None
 
-    def __enter__(self) -> "TargetRuntime":
+    def __enter__(self) -> TargetRuntime:
         return self
 
     def __exit__(self, *exc: object) -> None:

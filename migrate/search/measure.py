@@ -77,7 +77,7 @@ def measure_rank(ctx: Any, matmul_size: int, copy_mb: int, allreduce_mb: int, re
 def measured_profile(base: DeviceProfile, results: list[dict[str, Any]], name: str | None = None,
                      memory_gb: float | None = None) -> DeviceProfile:
     """``base`` with the measured numbers (slowest rank) and their sources. Pure."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     hosts = sorted({r["node"] for r in results}) or [socket.gethostname()]
     where = f"measured by migrate search --measure on {len(results)} rank(s) ({', '.join(hosts)[:80]}) at {when}"
     tflops = dict(base.peak_tflops)

@@ -17,7 +17,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from migrate.runtime.worker_group import WorkerGroup, WorkerGroupError
 from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
@@ -66,7 +67,7 @@ class _PeakRss:
             self.peak = max(self.peak, self.current())
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "_PeakRss":
+    def __enter__(self) -> _PeakRss:
         self.peak = self.current()
         self._thread.start()
         return self

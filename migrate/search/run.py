@@ -7,7 +7,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from migrate.job.load import Job
 from migrate.runtime.worker_group import WorkerGroup

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
 
 from pydantic import Field, model_validator
 
@@ -67,13 +68,14 @@ class StabilityOptions(StageOptions):
     """steps before a point whose median and spread judge it (the gate's spike rule)"""
     spike_z: float = Field(default=6.0, gt=0)
     """a spike lies more than this many robust standard deviations from that median"""
-    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
+    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(
+        default=None, description="default: from the source format / layout")
     leak_bytes_per_step: int = Field(default=0, ge=0, description="test hook: every rank keeps this many more bytes per step")
     stall_every: int = Field(default=0, ge=0, description="test hook: every rank sleeps stall_s in every K-th step")
     stall_s: float = Field(default=0.0, ge=0, description="test hook: the stall's length in seconds")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "StabilityOptions":
+    def _consistent(self) -> StabilityOptions:
         if self.steps is not None:
             late = [f"rank {f.kill_rank} at step {f.at_step}" for f in self.faults if f.at_step > self.steps]
             if late:
@@ -99,7 +101,7 @@ class Attempt:
     loaded: str
     started_at: float
     ended_at: float
-    records: "RunRecords"
+    records: RunRecords
     failure: str = ""
     failed_ranks: tuple[int, ...] = ()
     stopped: str | None = None  # the engine stopped by itself (non-finite metrics)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from convergence.stability import StabilityVerdict, step_times
 from migrate.pipeline.stage import StageContext, StageOutcome
@@ -147,5 +148,6 @@ def write_outputs(ctx: StageContext, plan: RunPlan, options: StabilityOptions, a
                     f"P99 {stats['p99_s'] * 1e3:.4g} ms, jitter {stats['jitter']:.3g}.\n\n")
     summary += "".join(f"![{name}]({file})\n" for name, file in images.items())
     return StageOutcome(verdict="pass" if verdict.passed else "fail", metrics=metrics, reasons=verdict.reasons,
-                        outputs={"report": str(directory / "stability.json"), **{k: str(directory / v) for k, v in images.items()}},
+                        outputs={"report": str(directory / "stability.json"),
+                                 **{k: str(directory / v) for k, v in images.items()}},
                         summary_md=summary)

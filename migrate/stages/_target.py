@@ -4,7 +4,8 @@ stage's choice (its ``target_layout.yaml``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import yaml
 

@@ -14,7 +14,8 @@ import json
 import re
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from pydantic import Field, field_validator
 

@@ -63,7 +63,7 @@ class OpsOptions(StageOptions):
     world_size: int = Field(default=1, ge=1, description="data-parallel ranks that run the compared model step")
 
     @model_validator(mode="after")
-    def _one_direction(self) -> "OpsOptions":
+    def _one_direction(self) -> OpsOptions:
         if self.dump and self.compare:
             raise ValueError(f"dump ({self.dump}) and compare ({self.compare}): one run either records or compares")
         return self

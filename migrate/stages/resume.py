@@ -5,7 +5,8 @@ changed, missing or truncated since the conversion fails the stage before anythi
 own continuation: K steps from the source checkpoint at the source layout -> run K steps from the
 converted checkpoint at the target layout (both on the job's worker group, via `rank_entry`; each
 engine prints the state it loaded before step 1, `migrate.workload.state_print`) ->
-`compare_continuations` (pure): the loaded states equal in every logical tensor and counter; per step, loss and grad norm bit-identical at the same layout and
+`compare_continuations` (pure): the loaded states equal in every logical tensor and counter; per step, loss and
+grad norm bit-identical at the same layout and
 within their fp32 reduction-order tolerances at another, the learning rate and the consumed samples
 equal (a scheduler or data counter not carried shows at the first step); the dataset indices each step consumed equal the
 baseline's (checked on their own, not through the loss); every target rank starts from the RNG
@@ -22,7 +23,8 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
+from collections.abc import Mapping, Sequence
 
 from pydantic import Field
 
@@ -39,7 +41,8 @@ class ResumeOptions(StageOptions):
     grad_norm_rtol: float = Field(default=5e-6, ge=0, description="relative grad-norm tolerance at a changed layout")
     lr_rtol: float = Field(default=1e-6, ge=0, description="relative learning-rate tolerance (the schedule is a function "
                                                            "of the step: equal at any layout)")
-    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
+    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(
+        default=None, description="default: from the source format / layout")
     accept_unchecked: list[Literal["state", "rng", "data_order"]] = Field(
         default_factory=list, description="what may pass unchecked (the report says so); by default nothing unchecked passes")
     fault: Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights",
@@ -65,7 +68,7 @@ class Continuation:
     state: StatePrint | None = None
 
     @classmethod
-    def from_results(cls, layout: str, results: Sequence[Any]) -> "Continuation":
+    def from_results(cls, layout: str, results: Sequence[Any]) -> Continuation:
         main = results[0]
         printed = main.extra.get("state_print")
         return cls(layout=layout, start_step=main.start_step, records=tuple(m.as_dict() for m in main.metrics),
@@ -174,7 +177,8 @@ def compare_continuations(target: Continuation, baseline: Continuation, *, same_
     if not checked:
         unchecked.append(("state", state))
     elif state_differences:
-        shown = "; ".join(state_differences[:3]) + (f"; and {len(state_differences) - 3} more" if len(state_differences) > 3 else "")
+        more = len(state_differences) - 3
+        shown = "; ".join(state_differences[:3]) + (f"; and {more} more" if more > 0 else "")
         reasons.append(f"loaded state differs from the baseline's before step {target.start_step + 1} "
                        f"({len(state_differences)} difference(s)): {shown}")
     if target.start_step != baseline.start_step:

@@ -22,7 +22,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from migrate.pipeline.stage import StageContext, StageDefinition, StageOutcome
 from migrate.stages._stability_model import (DEFAULT_STEPS, MIB, Attempt, KillFault, RecoveryDecision, RunPlan,

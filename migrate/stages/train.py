@@ -15,7 +15,8 @@ import math
 import statistics
 import threading
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 from pydantic import Field
 
@@ -28,8 +29,10 @@ class TrainOptions(StageOptions):
     steps: int | None = Field(default=None, ge=1, description="optimizer steps; default training.train_steps")
     save_every: int = Field(default=0, ge=0, description="checkpoint every K steps (0: only at the end)")
     load: str | None = Field(default=None, description="checkpoint to resume from (relative to the job file)")
-    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(default=None, description="default: from the source format / layout")
-    command: str | None = Field(default=None, description="external launch line with {tp} {pp} {dp} {load} {save} ... placeholders")
+    engine: Literal["deepspeed", "megatron", "fsdp"] | None = Field(
+        default=None, description="default: from the source format / layout")
+    command: str | None = Field(
+        default=None, description="external launch line with {tp} {pp} {dp} {load} {save} ... placeholders")
 
 
 class MetricsFollower:
@@ -44,7 +47,7 @@ class MetricsFollower:
         self._offset = 0
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> "MetricsFollower":
+    def __enter__(self) -> MetricsFollower:
         from tqdm import tqdm
 
         self.ctx.status(None)  # the bar says it
@@ -133,7 +136,8 @@ def _run_builtin(ctx: StageContext, options: TrainOptions, side_dir: Path) -> St
             results = group.run(rank_entry(engine), spec)
     main = results[0]
     records = [m.as_dict() for m in main.metrics]
-    label = f"{options.side} run, {engine} at {layout.describe()}" + (f", resumed from step {main.start_step}" if main.start_step else "")
+    label = (f"{options.side} run, {engine} at {layout.describe()}"
+             + (f", resumed from step {main.start_step}" if main.start_step else ""))
     metrics, summary = _summary(records, layout.world_size, label, main.stopped)
     metrics.update({"engine": engine, "start_step": main.start_step, "layout": layout.describe(), "side": options.side})
     reasons = []
@@ -192,7 +196,8 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
     if not records:
         reasons.append(f"no training metrics found in {results[0].log_path}")
     return StageOutcome(verdict="fail" if reasons else "pass", metrics=metrics, reasons=tuple(reasons), summary_md=summary,
-                        outputs={"metrics": str(metrics_path), "logs": str(log_dir), "checkpoint_dir": str(side_dir / "checkpoints")})
+                        outputs={"metrics": str(metrics_path), "logs": str(log_dir),
+                                 "checkpoint_dir": str(side_dir / "checkpoints")})
 
 
 def _micro_batch(ctx: StageContext, options: TrainOptions) -> int:
@@ -239,7 +244,8 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
         return found
     root = job.resolve(options.load)
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root] if root.exists() else []
-    found["load"] = {str(p.relative_to(root) if root.is_dir() else p.name): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    found["load"] = {str(p.relative_to(root) if root.is_dir() else p.name): [p.stat().st_size, p.stat().st_mtime_ns]
+                     for p in files}
     return found
 
 

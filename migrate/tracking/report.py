@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from migrate.pipeline.records import write_text_atomic
 
@@ -22,7 +23,7 @@ def _format_metric(value: Any) -> str:
     return str(value)
 
 
-def target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
+def target_layout_line(job: Job, records: Sequence[StageRecord]) -> str:
     """The target layout as the job states it, else as the search stage chose it, else still open."""
     from migrate.stages._target import target_layout
 
@@ -36,7 +37,7 @@ def target_layout_line(job: "Job", records: Sequence["StageRecord"]) -> str:
     return f"layout {layout.describe()}" + ("" if where == "target.layout" else " (chosen by the search stage)")
 
 
-def verdict_line(job: "Job", records: Sequence["StageRecord"], summary_path: Any) -> str:
+def verdict_line(job: Job, records: Sequence[StageRecord], summary_path: Any) -> str:
     """One line that ends a run: passed or not (and the first stage that did not, with its reason), the
     target layout, and where the report is."""
     bad = [r.artifact for r in records if not r.artifact.status.ok]
@@ -50,7 +51,7 @@ def verdict_line(job: "Job", records: Sequence["StageRecord"], summary_path: Any
     return f"{head}; target {target_layout_line(job, records)}; report {summary_path}"
 
 
-def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> str:
+def render_summary(job: Job, records: Sequence[StageRecord], *, wandb_dir: str | None = None) -> str:
     """Markdown: the job, a table of stages (status, verdict, time, reasons), then each stage's own summary."""
     spec = job.spec
     ok = all(r.artifact.status.ok for r in records)
@@ -59,7 +60,7 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
         f"# Migration job `{spec.name}`: {'all stages passed' if ok else 'NOT PASSED'}",
         "",
         f"- job file: `{job.path}`",
-        f"- written: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+        f"- written: {datetime.now(UTC).isoformat(timespec='seconds')}",
         f"- source: {src.cluster.device_count} x {src.cluster.device_type} ({src.cluster.resolved_backend}), "
         f"layout {src.layout.to_layout().describe()}",
         f"- target: {tgt.device_count} x {tgt.device_type} ({tgt.resolved_backend}), "
@@ -75,7 +76,8 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
         metrics = ", ".join(f"{k}={_format_metric(v)}" for k, v in list(art.metrics.items())[:4])
         reasons = "; ".join(art.reasons).replace("|", "\\|")
         lines.append(
-            f"| {art.stage} | {_STATUS_MARK[art.status.value]} | {art.verdict or ''} | {art.duration_s:.1f} | {metrics} | {reasons} |"
+            f"| {art.stage} | {_STATUS_MARK[art.status.value]} | {art.verdict or ''} | {art.duration_s:.1f} | {metrics} "
+            f"| {reasons} |"
         )
     for rec in records:
         if rec.summary_md.strip():
@@ -83,7 +85,7 @@ def render_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: s
     return "\n".join(lines) + "\n"
 
 
-def write_job_summary(job: "Job", records: Sequence["StageRecord"], *, wandb_dir: str | None = None) -> Path:
+def write_job_summary(job: Job, records: Sequence[StageRecord], *, wandb_dir: str | None = None) -> Path:
     """Write ``summary.md`` and ``summary.json`` into the job's work dir; return the Markdown path."""
 
     md_path = job.work_dir / "summary.md"

@@ -24,7 +24,8 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
 
 if TYPE_CHECKING:
     from migrate.job.schema import TrackingSection
@@ -58,7 +59,7 @@ def run_id(name: str, work_dir: Path) -> str:
 class Tracker:
     """Fan-out of metrics to JSONL (``metrics.jsonl``), TensorBoard and W&B (see the module docstring)."""
 
-    def __init__(self, work_dir: Path, tracking: "TrackingSection", *, run_name: str, config: Mapping[str, Any] | None = None):
+    def __init__(self, work_dir: Path, tracking: TrackingSection, *, run_name: str, config: Mapping[str, Any] | None = None):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.work_dir / "metrics.jsonl"
@@ -143,7 +144,7 @@ class Tracker:
 
             run.log({f"{stage}/{name}": wandb.Image(str(path))})
 
-    def log_stage(self, artifact: "StageArtifact") -> None:
+    def log_stage(self, artifact: StageArtifact) -> None:
         """A stage's end: status, verdict, timings and scalar metrics; and every picture among its outputs."""
         record = {
             "kind": "stage", "stage": artifact.stage, "side": artifact.metrics.get("side"),

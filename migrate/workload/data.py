@@ -96,7 +96,7 @@ class SamplerState:
     def step(self) -> int:
         return self.consumed_samples // self.global_batch_size
 
-    def advance(self, steps: int = 1) -> "SamplerState":
+    def advance(self, steps: int = 1) -> SamplerState:
         consumed = self.consumed_samples + steps * self.global_batch_size
         return replace(self, consumed_samples=consumed, epoch=consumed // self.samples_per_epoch)
 
@@ -104,7 +104,7 @@ class SamplerState:
         return asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "SamplerState":
+    def from_state_dict(cls, state: dict) -> SamplerState:
         """Inverse of state_dict; unknown or missing keys are errors that name them."""
         expected = {"seed", "dataset_size", "global_batch_size", "consumed_samples", "epoch"}
         if set(state) != expected:

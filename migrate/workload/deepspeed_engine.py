@@ -166,4 +166,5 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
         log.close()
         probe.close()
     return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped, extra=trace.extra(rng_restore=rng_note, state_print=loaded))
+                      checkpoints=tuple(checkpoints), stopped=stopped,
+                      extra=trace.extra(rng_restore=rng_note, state_print=loaded))

@@ -1,7 +1,8 @@
 """Which per-rank function runs which built-in engine."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from migrate.workload.metrics import RankResult
 

@@ -13,7 +13,8 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 from string import Formatter
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 PLACEHOLDERS = frozenset({"tp", "pp", "dp", "ep", "vpp", "world_size", "load", "save", "steps", "seed",
                           "global_batch_size", "micro_batch_size", "nproc_per_node", "nnodes"})

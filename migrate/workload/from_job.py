@@ -11,7 +11,8 @@ from migrate.workload.model_spec import Engine, LRScheduleSpec, ModelSpec, Optim
 
 Side = Literal["baseline", "target"]
 
-_ENGINE_OF_FORMAT: dict[str, Engine] = {"deepspeed": "deepspeed", "megatron": "megatron", "megatron-legacy": "megatron", "dcp": "fsdp"}
+_ENGINE_OF_FORMAT: dict[str, Engine] = {"deepspeed": "deepspeed", "megatron": "megatron", "megatron-legacy": "megatron",
+                                        "dcp": "fsdp"}
 
 
 def model_spec(job: JobSpec) -> ModelSpec:

@@ -27,7 +27,8 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ class StepProbe:
         if long_run is not None:
             Path(long_run.records_dir).mkdir(parents=True, exist_ok=True)
             path = Path(long_run.records_dir) / RANK_FILE.format(rank=ctx.rank)
-            self._file = path.open("a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._file = path.open("a", encoding="utf-8")  # closed in close()
 
     @property
     def active(self) -> bool:

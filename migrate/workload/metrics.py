@@ -83,7 +83,7 @@ class MetricsLog:
         self._file = None
         if path and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._file = open(path, "a", encoding="utf-8")  # closed in close()
 
     def write(self, metrics: StepMetrics) -> str | None:
         """Record the step; returns the non-finite message when there is one."""

@@ -35,7 +35,7 @@ class MeshShape:
     tp: int
 
     @classmethod
-    def of(cls, world_size: int, tp: int) -> "MeshShape":
+    def of(cls, world_size: int, tp: int) -> MeshShape:
         if tp < 1 or world_size % tp:
             raise ValueError(f"world_size({world_size}) is not divisible by tp({tp})")
         return cls(dp=world_size // tp, tp=tp)

@@ -9,7 +9,8 @@ and `extra["rng"]`, which the resume stage compares with the baseline's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch.distributed as dist
 

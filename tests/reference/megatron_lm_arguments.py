@@ -45,9 +45,9 @@ class _NoTriton(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _import_arguments() -> types.ModuleType:
     import torch
-    import torch._inductor.compile_fx  # noqa: F401  (decides "no triton" before the stub exists)
+    import torch._inductor.compile_fx  # decides "no triton" before the stub exists
     import torch.utils._triton
-    import torch.utils.flop_counter  # noqa: F401
+    import torch.utils.flop_counter
     import typing
 
     import typing_extensions

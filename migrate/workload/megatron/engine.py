@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
