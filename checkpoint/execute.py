@@ -167,7 +167,8 @@ class _Sources:
     """
 
     def __init__(self, root: Path, trust_checkpoint: bool, cache_bytes: int = 256 << 20) -> None:
-        self.root, self.trust, self.cache = root, trust_checkpoint, {}
+        self.root, self.trust = root, trust_checkpoint
+        self.cache: dict[str, Any] = {}
         self.ranges: dict[tuple[str, int, int], torch.Tensor] = {}
         self.cache_bytes = cache_bytes
 
@@ -244,7 +245,7 @@ def read_safetensor(path: Path, header: Mapping[str, Any], name: str) -> torch.T
     if end - begin != want:
         raise CheckpointFormatError(f"{path}: tensor {name!r} spans {end - begin} bytes, shape {spec['shape']} "
                                     f"{spec['dtype']} needs {want}")
-    view, pos = memoryview(t.reshape(-1).view(torch.uint8).numpy()), header["__data_start__"] + begin
+    view, pos = bytes_of(t.reshape(-1)), header["__data_start__"] + begin
     with open(path, "rb", buffering=0) as f:
         while len(view):
             got = os.preadv(f.fileno(), [view], pos)
@@ -260,6 +261,11 @@ def _region(t: torch.Tensor, ref_offset: int, numel: int, *, where: str) -> torc
         raise CheckpointFormatError(f"{where}: needs elements [{ref_offset}, {ref_offset + numel}) but the stored "
                                     f"tensor has {flat.numel()} (shape {tuple(t.shape)})")
     return flat[ref_offset:ref_offset + numel]
+
+
+def bytes_of(flat: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous 1-d tensor, without a copy."""
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -451,17 +457,17 @@ class _FilledOnLookup(Mapping[KeyPath, torch.Tensor]):
     def __init__(self, file: TargetFile, items: Sequence[CopyItem], sources: _Sources, source_root: str) -> None:
         self.file, self.sources, self.root = file, sources, Path(source_root)
         self.specs = {b.key: b for b in file.buffers}
-        self.items: dict[KeyPath, list[CopyItem]] = {}
+        self.items_by_key: dict[KeyPath, list[CopyItem]] = {}
         for it in items:
             if it.dst.key not in self.specs:
                 raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of that "
                                       f"file")
-            self.items.setdefault(it.dst.key, []).append(it)
+            self.items_by_key.setdefault(it.dst.key, []).append(it)
 
     def __getitem__(self, key: KeyPath) -> torch.Tensor:
         b = self.specs[key]
         buf = zeros(b.shape, getattr(torch, b.dtype))
-        for it in self.items.get(key, ()):
+        for it in self.items_by_key.get(key, ()):
             src = self.sources.tensor(it.src.file, it.src.key)
             copy_item(it, src, buf, src_where=str(self.root / it.src.file))
             if self.sources.mapped(it.src.key) and src.numel() > 1:
@@ -515,7 +521,7 @@ class _WritebackFile(io.FileIO):
         super().__init__(path, "w")
         self.every, self.unsubmitted = every, 0
 
-    def write(self, b: Any) -> int | None:
+    def write(self, b: Any) -> int:
         n = super().write(b)
         self.unsubmitted += n or 0
         if self.unsubmitted >= self.every:
@@ -659,7 +665,7 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
 
 def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
     """Write a tensor's bytes at `offset`, then start their writeback."""
-    view, start = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()), offset
+    view, start = bytes_of(t.contiguous().reshape(-1)), offset
     while len(view):
         done = os.pwrite(fd, view, offset)
         view, offset = view[done:], offset + done

@@ -18,7 +18,7 @@ from typing import Any
 
 from checkpoint.errors import CheckpointFormatError
 
-KeyPath = tuple[str | int, ...]
+KeyPath = tuple[Any, ...]  # keys into a stored object: names and indexes (a writer's chunk keys also hold offsets)
 
 
 class Kind(StrEnum):

@@ -60,7 +60,7 @@ def renamed(index: CheckpointIndex, *, arch: str, src: Naming, dst: Naming, head
         name = (_in_naming(e.key.name, row, arch, src, dst) if row is not None
                 else rename(e.key.name, arch, src=src, dst=dst))  # a name the table lacks: its error
         chunks = e.chunks
-        if permute and row[0].rope and e.key.kind is not Kind.STEP:
+        if permute and row is not None and row[0].rope and e.key.kind is not Kind.STEP:
             if counts is None:
                 if heads is None:
                     raise CheckpointFormatError(f"{e.key.name}: the RoPE row order of torchtitan's wq/wk needs the "

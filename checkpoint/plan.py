@@ -115,7 +115,7 @@ class ConversionPlan:
     src_dtypes: Mapping[TensorKey, str] = field(default_factory=dict)
     sources: Mapping[TensorKey, tuple[TensorEntry, bool]] = field(default_factory=dict)  # target key -> (source, cast)
     fixed_items: tuple[CopyItem, ...] | None = None
-    _memo: dict[str, tuple[CopyItem, ...]] = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def chunks_by_file(self) -> dict[str, list[tuple[TensorEntry, ChunkRef]]]:
         """Every target chunk with its tensor, by the file it is written to (memoized)."""
@@ -126,8 +126,8 @@ class ConversionPlan:
                 for chunk in entry.chunks:
                     by_file[chunk.file].append((entry, chunk))
             found = dict(by_file)
-            self._memo["\0chunks"] = found  # type: ignore[assignment]
-        return found  # type: ignore[return-value]
+            self._memo["\0chunks"] = found
+        return found
 
     def items_for(self, path: str) -> tuple[CopyItem, ...]:
         """The copy items that fill target file `path` (raises PlanError on a chunk not covered exactly)."""
@@ -411,7 +411,7 @@ def summarize(plan: ConversionPlan, *, per_rank: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _fmt(n: int) -> str:
+def _fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -27,7 +27,7 @@ import threading
 import types
 import zipfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsIndex
 
 import torch
 
@@ -159,7 +159,7 @@ class _StandIn:
         """Arguments the real class's constructor accepts (its state is then set from `_state`)."""
         return ()
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Pickled by anything but PICKLE_MODULE: the real class's constructor, then its state (loads
         with weights_only under the real name, like the real object)."""
         args, state = self._state()
@@ -239,7 +239,10 @@ STAND_INS: dict[str, type] = {c.pickle_name: c for c in (ZeroStageEnum, fragment
                                                           DynamicLossScaler)}
 
 
-class _Pickler(pickle._Pickler):  # the Python pickler: its `save` can be extended, the C one's cannot
+_PythonPickler: Any = pickle._Pickler  # type: ignore[attr-defined]  # typeshed leaves the pure-Python pickler out
+
+
+class _Pickler(_PythonPickler):  # the Python pickler: its `save` can be extended, the C one's cannot
     """Pickles stand-ins under the real classes' names (GLOBAL opcodes), importing nothing; the rest as usual."""
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
@@ -258,7 +261,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its `save` can be extend
             self.write(pickle.BUILD)
         return None
 
-    def _save_class(self, cls: type) -> None:
+    def _save_class(self, cls: type[_StandIn]) -> None:
         if id(cls) in self.memo:
             self.write(self.get(self.memo[id(cls)][0]))
             return

@@ -235,21 +235,21 @@ def _lag1(dev: np.ndarray) -> float:
 def ar1_window_factor(phi: float, w: int | np.ndarray) -> float | np.ndarray:
     """Var(mean of w consecutive values) / Var(one value) for an AR(1) process with lag-1 correlation phi
     (closed form; `w` may be an array)."""
-    w = np.maximum(np.asarray(w, dtype=float), 1.0)
+    n = np.maximum(np.asarray(w, dtype=float), 1.0)
     if phi <= 0:
-        out = 1.0 / w
+        out = np.asarray(1.0 / n)
     else:
-        out = ((1 + phi) / (1 - phi) - 2 * phi * (1 - phi ** w) / (w * (1 - phi) ** 2)) / w
+        out = np.asarray(((1 + phi) / (1 - phi) - 2 * phi * (1 - phi ** n) / (n * (1 - phi) ** 2)) / n)
     return float(out) if out.ndim == 0 else out
 
 
 def adjacent_covariance(phi: float, a: int, b: int | np.ndarray) -> float | np.ndarray:
     """Cov(mean of a block of a values, mean of the b values just before it) / Var(one value) for an AR(1)
     process with lag-1 correlation phi."""
-    b = np.maximum(np.asarray(b, dtype=float), 1.0)
+    n = np.maximum(np.asarray(b, dtype=float), 1.0)
     if phi <= 0:
-        return np.zeros_like(b) if b.ndim else 0.0
-    out = phi * (1 - phi ** a) * (1 - phi ** b) / ((1 - phi) ** 2 * a * b)
+        return np.zeros_like(n) if n.ndim else 0.0
+    out = np.asarray(phi * (1 - phi ** a) * (1 - phi ** n) / ((1 - phi) ** 2 * a * n))
     return float(out) if out.ndim == 0 else out
 
 
@@ -289,7 +289,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
     level_prior = min(priors.level ** 2, cap)
     wander_prior = np.minimum(np.broadcast_to(np.asarray(priors.window, dtype=float) ** 2, (steps,)),
                               rule.prior_noise_ratio ** 2 * pooled)
-    within = run_var * ar1_window_factor(phi, max(1, steps - warmup))  # the level's own step noise
+    within = run_var * float(ar1_window_factor(phi, max(1, steps - warmup)))  # the level's own step noise
     if dev is not None:
         levels = np.nanmean(dev[:, warmup:], axis=1) if steps > warmup else np.nanmean(dev, axis=1)
         spread = float(np.sum(levels ** 2) / (n - 1))
@@ -307,7 +307,7 @@ def noise_model(baselines: np.ndarray, centre: np.ndarray, rule: DecisionRule, p
             blocks = body.shape[1] // w
             means = np.nanmean(body[:, :blocks * w].reshape(n, blocks, w), axis=2) if blocks else np.zeros((n, 0))
             measured = float(np.nansum(means ** 2) / ((n - 1) * max(blocks, 1)))
-            excess = max(0.0, measured - run_var * ar1_window_factor(phi, w))
+            excess = max(0.0, measured - run_var * float(ar1_window_factor(phi, w)))
             prior_w = wander_prior * ar1_window_factor(WANDER_PHI, w)
             wander[w] = np.sqrt(_pool_prior(prior_w, rule.prior_dof, excess, (n - 1) * blocks))
             wander_dof[w] = rule.prior_dof + (n - 1) * blocks

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -30,6 +31,10 @@ class MetricKeys:
     """With align.by == 'tokens': the series holding consumed tokens (or samples) per step."""
 
 
+@overload
+def _rekey(run: RunMetrics, series: MetricSeries, keys: MetricKeys) -> MetricSeries: ...
+@overload
+def _rekey(run: RunMetrics, series: None, keys: MetricKeys) -> None: ...
 def _rekey(run: RunMetrics, series: MetricSeries | None, keys: MetricKeys) -> MetricSeries | None:
     if series is None:
         return None
@@ -116,7 +121,7 @@ def evaluate(baselines: Sequence[RunMetrics], candidate: RunMetrics, tol: Tolera
     results.append(checks.check_lr(candidate.find("lr", keys.lr), baselines[0].find("lr", keys.lr), tol))
     spike_level = tol.rule.alpha * tol.rule.spike_share / (2 if have_gn else 1)
     results.append(checks.check_spikes("loss", cand_loss, base_loss, tol, spike_level))
-    if have_gn:
+    if have_gn and cand_gn is not None:
         results.append(checks.check_spikes("grad_norm", cand_gn, [g for g in base_gn if g is not None], tol,
                                            spike_level))
     results.append(checks.check_restart_continuity(raw_cand_loss, tol))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from convergence.stability import PER, Segment, Trend
 
-_RESTART = dict(color="tab:red", lw=0.8, ls="--", alpha=0.7)
+_RESTART: dict[str, Any] = dict(color="tab:red", lw=0.8, ls="--", alpha=0.7)
 
 
 def _mark_restarts(ax: plt.Axes, restarts: Sequence[int]) -> None:

@@ -23,9 +23,9 @@ class _Group(click.Group):
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
         except click.UsageError as exc:
             where = f"migrate {exc.ctx.command_path.partition(' ')[2]}".strip() if exc.ctx else "migrate"
             click.echo(f"error: {where}: {exc.format_message()} (see '{where} --help')", err=True)

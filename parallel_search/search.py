@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from collections.abc import Callable, Iterable, Mapping
 
 from parallel_search.cost import Calibration, CostOptions, CostTerms, cost_terms, fit_calibration, mfu, predict
@@ -258,7 +258,8 @@ def _diverse(ranked: list[Candidate], n: int) -> list[Candidate]:
     """The best predicted candidate of each structure (framework, tp, pp, vpp, cp, ep) first, so the
     first calibration sees every cost term; then the next best by prediction up to ``n``."""
     seen: set[tuple] = set()
-    first, rest = [], []
+    first: list[Candidate] = []
+    rest: list[Candidate] = []
     for cand in ranked:
         lay = cand.layout
         shape = (cand.framework, lay.tp, lay.pp, lay.vpp, lay.cp, lay.ep)
@@ -365,7 +366,7 @@ def run_search(problem: Problem, profile: Callable[[Candidate, int], Measurement
                       f"{distinct()} of {len(feasible)} feasible candidates (budget {budget})")
     rows = _rows(problem, plan, measured, calibration)
     finalists = [r for r in rows if r.status == "measured" and r.measured_steps >= last_steps]
-    chosen = min(finalists, key=lambda r: r.measured_s) if finalists else None
+    chosen = min(finalists, key=lambda r: r.measured_s or 0.0) if finalists else None  # finalists are measured
     return SearchResult(rows=tuple(rows), chosen=chosen, calibration=calibration, space_size=plan.space.size,
                         rejected=len(plan.space.rejected), feasible=len(feasible), profiled=distinct(),
                         profile_calls=calls, cache_hits=hits, events=tuple(events), target_mfu=config.target_mfu,
@@ -381,8 +382,8 @@ def _rows(problem: Problem, plan: Plan, measured: Mapping[str, Measurement], cal
         terms = plan.terms[cand.key]
         predicted = predict(terms, calibration)
         m = measured.get(cand.key)
-        base = dict(candidate=cand, predicted_s=predicted, memory=plan.memory[cand.key],
-                    predicted_mfu=mfu(terms.model_flops, predicted, world, problem.device, dtype))
+        base: dict[str, Any] = dict(candidate=cand, predicted_s=predicted, memory=plan.memory[cand.key],
+                                    predicted_mfu=mfu(terms.model_flops, predicted, world, problem.device, dtype))
         if m is None:
             over = next((r for c, r in plan.over_memory if c.key == cand.key), None)
             rows.append(Row(status="over_memory" if over else "unmeasured", reason=over, **base))

@@ -418,7 +418,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
     if world > 1:
         refuse_split_state(source, target="dcp", how=f"FSDP2 shards each parameter along dim 0 over {world} ranks")
     src = source.by_key()
-    state = {}
+    state: dict[str, list[TensorEntry]] = {}
     for e in source.entries:
         if is_optimizer_state(e.key.kind):
             state.setdefault(e.key.name, []).append(e)
@@ -445,7 +445,7 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
                                        for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
     flat = _flatten(values, ())
     # tensors among the values (torchtitan's train_state.step) stay tensors: whole, in rank 0's file
-    value_tensors = [[list(p), v] for p, v in flat if isinstance(v, torch.Tensor)]
+    value_tensors: list[list[Any]] = [[list(p), v] for p, v in flat if isinstance(v, torch.Tensor)]
     meta = {"dp": world, "dtype": "float32", "global_steps": source.meta.get("global_steps"),
             "values": [[list(p), v] for p, v in flat if not isinstance(v, torch.Tensor)],
             "tensors": [[list(fqn_path(e.key, layout)), list(e.shape), e.dtype] for e in entries]
@@ -472,7 +472,7 @@ class DCPWriter:
         values = meta["values"] if file.rank == 0 else []
 
         def write(stream: BinaryIO) -> list[tuple[str, Any, int, int]]:
-            placed = []
+            placed: list[tuple[str, Any, int, int]] = []
             for b in file.buffers:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)

@@ -934,7 +934,7 @@ def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
     for name in meta["module_keys"]:
         buf = buffers.get(("module", shared.get(name, name)))  # a tied alias is its param's very tensor
         module[name] = buf if buf is not None else torch.empty(0, dtype=dtype)
-    state = {"module": module} | copy.deepcopy(dict(meta["model_state"]))
+    state: dict[str, Any] = {"module": module} | copy.deepcopy(dict(meta["model_state"]))
     state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in g) for g in meta["param_groups"]]
     state["shared_params"] = dict(shared)
     if meta["stage"] >= 2:  # as DeepSpeed saves them when it partitions gradients (ZeRO-2/3)

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import torch
 
 from checkpoint.errors import CheckpointFormatError, PlanError
-from checkpoint.execute import SAFETENSORS, StreamPayload
+from checkpoint.execute import SAFETENSORS, StreamPayload, bytes_of
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_shared_params
 from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_spec
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
@@ -310,7 +310,7 @@ class HFWriter:
             stream.write(header)
             for name, begin, end in spans:
                 t = buffers[keys[name].key]
-                data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                data = bytes_of(t.contiguous().reshape(-1))
                 if len(data) != end - begin:
                     raise PlanError(f"{file.path}: tensor {name!r} filled with {len(data)} bytes, the header says "
                                     f"{end - begin}")

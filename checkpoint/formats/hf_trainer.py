@@ -47,7 +47,7 @@ def rng_from_trainer(state: Any, where: Path) -> dict[str, Any]:
     try:
         version, internal, gauss = state["python"]
         kind, key, pos, has_gauss, cached = state["numpy"]
-        devices = next(((k, state[k]) for k in _DEVICE_KEYS if k in state), (None, []))
+        devices: tuple[str | None, Any] = next(((k, state[k]) for k in _DEVICE_KEYS if k in state), (None, []))
         device_states = devices[1] if isinstance(devices[1], (list, tuple)) else [devices[1]]
         if kind != "MT19937":
             raise ValueError(f"numpy generator {kind!r}")
@@ -109,7 +109,7 @@ def new_trainer_state(*, global_step: int, train_batch_size: int) -> dict[str, A
     from transformers import TrainerControl, TrainerState
 
     state = TrainerState(global_step=global_step, train_batch_size=train_batch_size,
-                         stateful_callbacks=[TrainerControl()])
+                         stateful_callbacks=[TrainerControl()])  # type: ignore[list-item]  # as Trainer saves it
     return json.loads(json.dumps(dataclasses.asdict(state)))
 
 

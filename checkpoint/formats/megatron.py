@@ -324,7 +324,7 @@ def arch_of_common(common: Mapping[str, Any], where: Path,
                                     f"pass --model-config FILE (an HF config.json or a job's model section)")
     if given is None:
         return saved, []
-    if "make_vocab_size_divisible_by" not in model_config:  # an HF config does not say how Megatron padded
+    if "make_vocab_size_divisible_by" not in (model_config or {}):  # an HF config does not say how Megatron padded
         given = dataclasses.replace(given, make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by)
     return given, overrides(saved, given)
 
@@ -407,10 +407,11 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
                     storage[(key, tuple(c.offsets))])
         elif m := _FR_RE.match(key):
             sharding = "fully_reshardable"
-            rule = rules.get(m.group(3))
-            if rule is None:
+            found = rules.get(m.group(3))
+            if found is None:
                 raise CheckpointFormatError(f"{root}: optimizer key {key} names model key {m.group(3)!r}, unknown to "
                                             f"the {arch.architecture} rules")
+            rule = found
             for c in tmd.chunks:
                 put(STATE_KINDS[m.group(2)], dtype, box_pieces(rule, arch, tuple(c.offsets), tuple(c.sizes)),
                     storage[(key, tuple(c.offsets))])
@@ -494,7 +495,9 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
                                       f"layer is stored in {tp} vocab shard(s)")
         return layout
     ranks = {m.group(1) for info in storage.values() if (m := _RANK_FILE_RE.match(info.relative_path))}
-    dense, expert, gbufs, dtypes, dp = set(), set(), set(), set(), None
+    dense: set[int] = set()
+    expert: set[int] = set()
+    gbufs, dtypes, dp = set(), set(), None
     for key in tensors:
         if m := _DPR_RE.match(key):
             (expert if m.group(1) == "1" else dense).add(int(m.group(2)))
@@ -698,6 +701,7 @@ def owner_boxes(rule: TensorRule, arch: ArchSpec, layout: ParallelLayout, *, tp_
         if rule.scope == "expert":
             ex = expert_range(arch.num_experts, layout.ep, ep_rank)
             leads = [((*o, ex.start), (*n, len(ex))) for o, n in leads]
+    mats: list[tuple[tuple[int, ...], tuple[int, ...]]]
     if len(mat) == 1:  # a norm (whole) or a QKV bias (rows per query group, as its weight's)
         mats = [((r0,), (nr,)) for r0, nr in tp_local_rows(rule, arch, tp, tp_rank)]
     else:
@@ -922,7 +926,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     if pretrained:
         m = {**source.meta, **pretrained_meta(source, arch)}
     elif source.format == FORMAT:
-        m = source.meta
+        m = dict(source.meta)
     elif source.format == LEGACY_FORMAT:
         m = {**source.meta, **legacy_meta_for_dist(source, arch)}
     else:
@@ -948,7 +952,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
         raise PlanError(f"target ep={ep} but the {arch.architecture} model has no experts")
     dtype = m.get("model_dtype", "float32")
     dtypes = param_dtypes(source, arch, dtype)
-    work = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
+    work: list[tuple[Any, ...]] = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
     dcp_tensors = []
     for rule in stored_rules(arch):  # tied embeddings: Megatron loads the last stage's copy from the embedding
         shape = stacked_shape(rule, arch, tp)
@@ -1118,7 +1122,7 @@ class MegatronWriter:
             raise PlanError(f"Megatron writer: unknown file role {file.role!r} for {file.path}")
 
         def write(stream: Any) -> list[tuple[Any, ...]]:  # (fqn, box offsets | None, box sizes | None, start, n)
-            placed = []
+            placed: list[tuple[Any, ...]] = []
             for b in file.buffers:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)
@@ -1149,7 +1153,7 @@ class MegatronWriter:
 
         return StreamPayload(write=write)
 
-    def finalize(self, records: list[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
+    def finalize(self, records: list[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes | str]:
         import pickle
         import uuid
 
@@ -1169,8 +1173,8 @@ class MegatronWriter:
         torch.save(common, buf)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}
-        files = {f"{it}/.metadata": pickle.dumps(md), f"{it}/common.pt": buf.getvalue(),
-                 f"{it}/metadata.json": json.dumps(backend)}
+        files: dict[str, bytes | str] = {f"{it}/.metadata": pickle.dumps(md), f"{it}/common.pt": buf.getvalue(),
+                                         f"{it}/metadata.json": json.dumps(backend)}
         if meta.get("state_report"):
             files[STATE_REPORT_FILE] = json.dumps(meta["state_report"], indent=1).encode()
         files[TRACKER_FILE] = tracker_text(meta["common"])  # last: Megatron-LM's commit point

@@ -131,7 +131,7 @@ def vocab_is_padded(args: Any) -> bool:
     return not a.get("vocab_size")
 
 
-def layout_from_args(args: Any, *, where: str) -> dict[str, int]:
+def layout_from_args(args: Any, *, where: str) -> dict[str, Any]:
     """tp, pp, vpp, ep and dp of the run that saved `args` (dp from data_parallel_size, else the world size
     over tp * pp * cp); raises CheckpointFormatError naming a missing or inconsistent field."""
     a = as_mapping(args) or {}

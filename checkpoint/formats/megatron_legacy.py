@@ -94,8 +94,10 @@ def local_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_rank
 def _state_name(p: LocalParam, first_layer: int, first_expert: int) -> str:
     if p.rule.scope == "model":
         return p.rule.param
+    assert p.layer is not None  # a layer or expert rule's parameter has its layer
     prefix = f"decoder.layers.{p.layer - first_layer}."
     if p.rule.scope == "expert":
+        assert p.expert is not None
         prefix += f"mlp.experts.local_experts.{p.expert - first_expert}."
     return prefix + p.rule.param
 
@@ -115,7 +117,7 @@ def _owned(p: LocalParam, tp_rank: int, ep_rank: int) -> bool:
 
 # ---------------------------------------------------------------- reader
 
-def _layout_from(args: Any, dirs: Mapping[str, Path], state: Mapping[str, Any], where: Path) -> dict[str, int]:
+def _layout_from(args: Any, dirs: Mapping[str, Path], state: Mapping[str, Any], where: Path) -> dict[str, Any]:
     """tp/pp/ep/vpp/dp from the saved args, checked against the rank directories present."""
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     try:
@@ -463,7 +465,8 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                     chunk_names.append([mkey, names])
                 files.append(TargetFile(path=f"{rel}/{MODEL_FILE}", role="model", rank=writer,
                                         buffers=tuple(model_bufs)))
-                optim_bufs, layout_meta = [], []
+                optim_bufs: list[TargetBuffer] = []
+                layout_meta: list[Any] = []
                 for chain in (0, 1) if chained else (0,):
                     experts = chain == 1
                     if chained and not experts and e != 0:
@@ -555,7 +558,7 @@ def _model_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor], me
 
 def _optim_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor]) -> Any:
     chained = len(rank["optim"]) > 1
-    out = []
+    out: list[Any] = []
     for chain, numels in enumerate(rank["optim"]):
         if numels is None:
             out.append(None)

@@ -138,7 +138,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
         step_rel = state_file(tag, p.name, "step")
         if (root / step_rel).is_file():
             step = safe_load.load(root / step_rel, mmap=True, trust_checkpoint=trust_checkpoint)
-            ref = (step_rel, ())
+            ref: tuple[str, KeyPath] = (step_rel, ())
             files.add(step_rel)
         elif isinstance(z3_step, torch.Tensor):
             step, ref = z3_step, (opt_rel, _Z3_STEP)
@@ -245,7 +245,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
                                            lengths=step.shape)))
             entries.append(step)
     opt_buffers = (TargetBuffer(key=_Z3_STEP, shape=step_entry.shape, dtype=step_entry.dtype),) \
-        if zero_stage == 3 else ()
+        if zero_stage == 3 and step_entry is not None else ()  # ZeRO-3 without a step is refused above
     files.append(TargetFile(path=model_rel, role="model_states", rank=0, buffers=tuple(model_buffers)))
     files += state_files
     files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers))

@@ -207,8 +207,8 @@ def _splice_objects(root: Path, replace: Mapping[Any, bytes]) -> list[Path]:
                 info = md.storage_data[idx]
                 copy(src, dst, info.offset - src.tell())  # any bytes between items stay as they are
                 start = dst.tell()
-                if new_bytes(idx) is not None:
-                    dst.write(new_bytes(idx))
+                if (replacement := new_bytes(idx)) is not None:
+                    dst.write(replacement)
                     src.seek(info.length, os.SEEK_CUR)
                 else:
                     copy(src, dst, info.length)

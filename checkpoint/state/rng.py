@@ -278,6 +278,7 @@ def plan_rng(source_states: Sequence[Mapping[str, Any]], source_roles: Sequence[
         peers.setdefault(r.model_parallel_key, []).append(i)
     states: list[dict[str, Any]] = []
     decisions: list[RngDecision] = []
+    policy: Policy
     for role in target_roles:
         same = by_key.get(role.key)
         group = peers.get(role.model_parallel_key, [])

@@ -139,7 +139,9 @@ def run_case(case: OpCase, device: str, dtype: torch.dtype, dtype_name: str, see
                         reason=f"output dtype {out.dtype}, expected {dtype}")
     tensors = [tensor_error("out", out, expected, dtype)]
     for k in case.grad:
-        tensors.append(tensor_error(f"grad.{k}", low[k].grad, ref[k].grad, dtype))
+        low_grad, ref_grad = low[k].grad, ref[k].grad
+        assert low_grad is not None and ref_grad is not None  # backward ran on every input the case differentiates
+        tensors.append(tensor_error(f"grad.{k}", low_grad, ref_grad, dtype))
     bad = [f"{t.name}: {'; '.join(t.reasons)}" for t in tensors if not t.passed]
     return OpResult(op=case.name, dtype=dtype_name, device=device, status="fail" if bad else "pass",
                     tensors=tuple(tensors), reason=" | ".join(bad))
@@ -161,6 +163,7 @@ def check_dropout(device: str, dtype: torch.dtype, dtype_name: str, p: float = 0
         if is_unsupported(exc):
             return OpResult(op="dropout", dtype=dtype_name, device=device, status="unsupported", reason=str(exc).splitlines()[0])
         raise
+    assert x.grad is not None  # backward just ran
     yc, gc = y.detach().to("cpu", torch.float64), x.grad.to("cpu", torch.float64)
     kept = yc != 0
     k = int(kept.sum())

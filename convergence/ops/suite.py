@@ -25,10 +25,14 @@ from convergence.ops.registry import OperatorSpec, implementation_name
 BUILTIN_PREFIX = "builtin."
 
 
+def _inputs_of(make: Callable[[torch.Generator], Any]) -> Callable[[torch.Generator, Any], Any]:
+    return lambda gen, case: make(gen)
+
+
 def builtin_specs(ops: Sequence[str] | None = None) -> tuple[OperatorSpec, ...]:
     """The built-in operator cases as registry operators that every backend runs with its own kernels."""
     return tuple(OperatorSpec(name=BUILTIN_PREFIX + c.name, reference=c.fn, targets={"*": (c.fn,)},
-                              make_inputs=lambda gen, case, make=c.make: make(gen), grad=c.grad)
+                              make_inputs=_inputs_of(c.make), grad=c.grad)
                  for c in CASES if ops is None or c.name in ops)
 
 
@@ -40,7 +44,7 @@ def chosen_implementations(custom: Sequence[OperatorSpec], verdicts: Sequence[Op
     backend = torch.device(device).type
     chosen: dict[str, Callable[..., Any]] = {}
     for op, verdict in zip(custom, verdicts):
-        runs = {}
+        runs: dict[str, list[str]] = {}
         for run in verdict.runs:
             runs.setdefault(run.implementation, []).append(run.status)
         runnable = [fn for fn in op.candidates(backend)

@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
@@ -51,7 +51,7 @@ class CheckSize:
     seq_lengths: tuple[int, ...]
     micro_batches: tuple[int, ...]
     global_batch_size: int
-    precision: str
+    precision: Literal["fp32", "bf16"]
     warmup: int
     steps: int
     matmul_size: int
@@ -73,8 +73,9 @@ SIZES = {
 }
 
 # (framework, sharding) of the one-device candidates the built-in workloads run.
-ENGINES = (("megatron", OptimizerSharding.NONE), ("megatron", OptimizerSharding.DISTRIBUTED_OPTIMIZER),
-           ("deepspeed", OptimizerSharding.NONE), ("deepspeed", OptimizerSharding.ZERO1))
+ENGINES: tuple[tuple[Literal["megatron", "deepspeed"], OptimizerSharding], ...] = (
+    ("megatron", OptimizerSharding.NONE), ("megatron", OptimizerSharding.DISTRIBUTED_OPTIMIZER),
+    ("deepspeed", OptimizerSharding.NONE), ("deepspeed", OptimizerSharding.ZERO1))
 
 
 @dataclass
@@ -195,7 +196,7 @@ def checkpoint_round_trip(device: str, size: CheckSize, out: Path) -> StepReport
     root = out / "checkpoints"
     shutil.rmtree(root, ignore_errors=True)
     saved_at = 2
-    directions = {}
+    directions: dict[str, dict[str, Any]] = {}
     for label, writer, reader in (("device to cpu", device, "cpu"), ("cpu to device", "cpu", device)):
         where = root / label.replace(" ", "_")
         with _group(writer) as group:
@@ -335,7 +336,7 @@ def memory_and_step_time(device: str, size: CheckSize, deadline: float) -> StepR
 
     unrunnable = [rc for rc in ("selective", "full") if unsupported_by_builtin(
         Candidate(framework="megatron", layout=ParallelLayout(dp=1), micro_batch_size=1, recompute=rc))]
-    data = {"profile": profile.name, "rows": rows, "under_predicted": under, "measured": len(done),
+    data: dict[str, Any] = {"profile": profile.name, "rows": rows, "under_predicted": under, "measured": len(done),
             "not_run": [f"recompute {' and '.join(unrunnable)}: the built-in workloads have none (the search "
                         f"profiles such candidates with the user's own launch command)"] if unrunnable else [],
             "skipped": sum(1 for r in rows if str(r.get("status", "")).startswith("skipped")),

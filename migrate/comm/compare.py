@@ -112,12 +112,12 @@ def compare_results(source: CommResult, target: CommResult) -> Comparison:
     src_bw = {(r.op, r.mode, r.size_bytes): r for r in source.bandwidth if r.busbw_gbps}
     ratios: list[BandwidthRatio] = []
     for r in target.bandwidth:
-        s = src_bw.get((r.op, r.mode, r.size_bytes))
-        if s is None or not r.busbw_gbps or s.busbw_gbps is None or s.time_us is None or r.time_us is None:
+        src = src_bw.get((r.op, r.mode, r.size_bytes))
+        if src is None or not r.busbw_gbps or src.busbw_gbps is None or src.time_us is None or r.time_us is None:
             continue
         ratios.append(BandwidthRatio(op=r.op, mode=r.mode, size_bytes=r.size_bytes,
-                                     source_busbw_gbps=s.busbw_gbps, target_busbw_gbps=r.busbw_gbps,
-                                     busbw_ratio=r.busbw_gbps / s.busbw_gbps, source_time_us=s.time_us,
+                                     source_busbw_gbps=src.busbw_gbps, target_busbw_gbps=r.busbw_gbps,
+                                     busbw_ratio=r.busbw_gbps / src.busbw_gbps, source_time_us=src.time_us,
                                      target_time_us=r.time_us))
     return Comparison(
         source=f"{source.backend}/{source.device_type} x{source.world_size}",

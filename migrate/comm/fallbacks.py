@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -107,7 +107,7 @@ def all_gather_into_tensor_via_list(output: torch.Tensor, input: torch.Tensor,
 
 
 def reduce_scatter_tensor_via_all_reduce(output: torch.Tensor, input: torch.Tensor,
-                                         op: dist.ReduceOp = dist.ReduceOp.SUM,
+                                         op: Any = dist.ReduceOp.SUM,
                                          group: dist.ProcessGroup | None = None) -> None:
     """reduce_scatter_tensor through a full all-reduce of a copy and a slice (W times the traffic)."""
     rank = dist.get_rank(group)
@@ -117,7 +117,7 @@ def reduce_scatter_tensor_via_all_reduce(output: torch.Tensor, input: torch.Tens
     output.reshape(-1).copy_(full[rank * n:(rank + 1) * n])
 
 
-def all_reduce_via_fp32(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce_via_fp32(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                         group: dist.ProcessGroup | None = None) -> None:
     """All-reduce a 16-bit float tensor in float32 (for backends without bf16/fp16 reductions)."""
     wide = tensor.to(torch.float32)
@@ -359,7 +359,7 @@ class FallbackPlan:
     def cells(self) -> list[tuple[str, str, int]]:
         """(fallback, dtype, numel) in execution order, skipping dtypes a fallback does not cover."""
         return [(f, d, n) for f in self.fallbacks for d in self.dtypes for n in self.sizes
-                if FALLBACKS[f].dtypes is None or d in FALLBACKS[f].dtypes]
+                if (covered := FALLBACKS[f].dtypes) is None or d in covered]
 
 
 FallbackStatus = Literal["ok", "wrong", "error", "n/a"]

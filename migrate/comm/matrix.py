@@ -26,7 +26,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -56,7 +56,7 @@ DEFAULT_DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 DEFAULT_SIZES = (1, 7, 1024, 65_537, 1_048_576)
 """Elements per rank chunk: a few, odd, and large (4 MiB of fp32)."""
 
-REDUCE_OPS: Mapping[str, Callable[[], dist.ReduceOp]] = {
+REDUCE_OPS: Mapping[str, Callable[[], Any]] = {  # dist.ReduceOp members (torch types them RedOpType)
     "sum": lambda: dist.ReduceOp.SUM,
     "product": lambda: dist.ReduceOp.PRODUCT,
     "min": lambda: dist.ReduceOp.MIN,
@@ -309,7 +309,7 @@ def _make_all_reduce(redop: str) -> CheckSpec:
         stacked = torch.stack([reduction_input(redop, r, world, numel) for r in range(world)])
         return {"out": reduce_reference(redop, stacked)}
 
-    kind = "avg" if redop == "avg" else ("sum" if redop in ("sum", "premul_sum") else "exact")
+    kind: Literal["exact", "sum", "avg"] = "avg" if redop == "avg" else ("sum" if redop in ("sum", "premul_sum") else "exact")
     return CheckSpec(name=f"all_reduce.{redop}", family="all_reduce", redop=redop, needs_peer=False,
                      run=run, expected=expected, tolerance_kind=kind)
 
@@ -679,9 +679,9 @@ def merge_observations(plan: MatrixPlan, per_rank: Sequence[Sequence[CellObserva
         wrong = tuple(o.rank for o in row if o.status == "wrong")
         worst = max((o.max_abs_err for o in row), default=0.0)
         if errors:
-            first = next(o for o in row if o.status == "error")
+            failed = next(o for o in row if o.status == "error")
             status: CellStatus = "error"
-            detail = first.error
+            detail = failed.error
         elif wrong:
             status = "wrong"
             detail = "; ".join(f"rank {o.rank}: {o.mismatches} wrong, {o.first_mismatch}" for o in row

@@ -230,7 +230,7 @@ def plot_bandwidth(rows: Sequence[BandwidthRow], path: Path, title: str = "") ->
             series.setdefault((r.op, r.mode), []).append(r)
     for (op, mode), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda r: r.size_bytes)
-        ax.plot([p.size_bytes for p in pts], [p.busbw_gbps for p in pts], marker="o",
+        ax.plot([p.size_bytes for p in pts], [p.busbw_gbps or 0.0 for p in pts], marker="o",  # rows above have one
                 linestyle="-" if mode == "out_of_place" else "--", label=f"{op} ({mode.replace('_', '-')})")
     ax.set_xscale("log", base=2)
     if series:

@@ -97,7 +97,7 @@ def command(job_file: Path | None, force: bool, backend: str | None, device: str
     sys.exit(_standalone(
         backend=backend, device_type=device.split(":")[0], world_size=world_size, devices_per_node=devices_per_node,
         ops=_names(ops), dtypes=_dtypes(_names(dtypes)), sizes=_ints(sizes, "--sizes"), bw_ops=_names(bw_ops),
-        bw_sizes=_ints(bw_sizes, "--bw-sizes"), bw_dtype=_dtypes((bw_dtype,))[0], warmup=warmup, iters=iters,
+        bw_sizes=_ints(bw_sizes, "--bw-sizes"), bw_dtype=(_dtypes((bw_dtype,)) or (bw_dtype,))[0], warmup=warmup, iters=iters,
         precision=precision, no_matrix=no_matrix, no_fallbacks=no_fallbacks, no_bandwidth=no_bandwidth,
         json_out=json_path, print_json=json_out == "-", out_dir=report_dir, compare_with=compare_with,
         ray_address=ray_address, timeout_s=timeout_s))

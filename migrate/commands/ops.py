@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -34,13 +34,17 @@ def _run(request: Any, device: str, world_size: int) -> dict[str, Any]:
     from migrate.stages.ops import probe
 
     if world_size == 1:
-        return probe(SimpleNamespace(device=device, rank=0, world_size=1), request)
+        result = probe(SimpleNamespace(device=device, rank=0, world_size=1), request)
+        assert result is not None  # rank 0 returns the suite's result
+        return result
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
 
     kind = device.split(":")[0]
     spec = WorkerGroupSpec(world_size=world_size, mode="local", device_type=kind, timeout_s=600)
     with start_worker_group(spec) as group:
-        return group.run(probe, request)[0]
+        first = group.run(probe, request)[0]
+    assert first is not None  # rank 0 returns the suite's result
+    return first
 
 
 @click.command(name="ops")
@@ -101,7 +105,7 @@ def command(job_argument: Path | None, device: str, dtypes: tuple[str, ...], ops
 
         job = load_or_exit(job_file)
         base = job.path.parent
-        current = job.stage_options.get("ops") or OpsOptions()
+        current = cast(OpsOptions, job.stage_options.get("ops") or OpsOptions())
         options = OpsOptions.model_validate({**current.model_dump(), **{k: v for k, v in flags.items() if v is not None},
                                              "registry": [*current.registry, *registries]})
         request = ops_request(job.spec, options, base)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,7 +20,7 @@ def command(job_file: Path, as_json: bool) -> None:
     from migrate.stages import STAGES, execution_order
 
     job = load_or_exit(job_file)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in execution_order(tuple(job.stage_options)):
         art = read_artifact(job, STAGES[name].key(job.stage_options.get(name)))
         if art is None:

@@ -147,7 +147,8 @@ def deprecations(data: Mapping[str, Any]) -> tuple[str, ...]:
         from migrate.comm.matrix import SHORT_NAMES
 
         torch_names = {v: k for k, v in SHORT_NAMES.items()}
-        dtypes = comm.get("dtypes") if isinstance(comm.get("dtypes"), (list, tuple)) else ()
+        dtypes = comm.get("dtypes") if isinstance(comm.get("dtypes"), (list, tuple)) else None
+        dtypes = dtypes or ()
         found += [("stages.comm.dtypes", d, torch_names[d]) for d in dtypes if d in torch_names]
         if comm.get("bandwidth_dtype") in torch_names:
             found.append(("stages.comm.bandwidth_dtype", comm["bandwidth_dtype"], torch_names[comm["bandwidth_dtype"]]))

@@ -355,7 +355,7 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
         problems: list[str] = []
-        layouts = [("source.layout", self.source.layout.to_layout(), None)]
+        layouts: list[tuple[str, ParallelLayout, int | None]] = [("source.layout", self.source.layout.to_layout(), None)]
         if self.target.layout is not None:
             layouts.append(("target.layout", self.target.layout.to_layout(), self.target.micro_batch_size))
         for where, layout, micro in layouts:

@@ -23,7 +23,7 @@ from typing import Any
 from collections.abc import Callable
 
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, pack_call, setup_rank, teardown_rank
-from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+from migrate.runtime.group import FailureKind, RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
 
 # After one rank fails the others are usually blocked in a collective with it:
 # wait this long for their own answers before stopping them.
@@ -126,7 +126,8 @@ class LocalWorkerGroup:
         for ctx in self._contexts:
             parent, child = mp.Pipe()
             # Not daemonic: frameworks (DCP save) start child processes of their own.
-            proc = mp.Process(target=_rank_main, args=(ctx, spec, child, environ), name=f"migrate-rank{ctx.rank}")
+            proc = mp.Process(  # type: ignore[attr-defined]  # a spawn or fork context has Process
+                target=_rank_main, args=(ctx, spec, child, environ), name=f"migrate-rank{ctx.rank}")
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -188,7 +189,7 @@ class LocalWorkerGroup:
                     )
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if pending:
-            kind = "aborted" if failures else "timeout"
+            kind: FailureKind = "aborted" if failures else "timeout"
             causes = sorted(f.rank for f in failures)
             for rank in sorted(pending):
                 detail = (

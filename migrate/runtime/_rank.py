@@ -71,7 +71,8 @@ def setup_rank(ctx: RankContext, spec: WorkerGroupSpec) -> None:
     elif ctx.device_type == "npu":
         import torch_npu  # noqa: F401  (registers the npu device and HCCL)
 
-        torch.npu.set_device(0 if "ASCEND_RT_VISIBLE_DEVICES" in os.environ else ctx.local_rank)
+        torch.npu.set_device(  # type: ignore[attr-defined]  # torch_npu adds torch.npu
+            0 if "ASCEND_RT_VISIBLE_DEVICES" in os.environ else ctx.local_rank)
     dist.init_process_group(
         backend=ctx.backend,
         init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",

@@ -103,7 +103,7 @@ class RayWorkerGroup:
                                      f"on one node "
                                      f"within {spec.timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")],
                     ) from None
-            actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)
+            actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)  # type: ignore[call-overload]
             for rank in range(spec.world_size):
                 node_rank, local_rank = rank_layout(spec, rank)
                 options: dict[str, Any] = {

@@ -73,13 +73,16 @@ class RankContext:
         return self.rank == 0
 
 
+FailureKind = Literal["died", "timeout", "exception", "aborted"]
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """One rank that did not return a result: ``kind`` is died, timeout, exception or aborted."""
 
     rank: int
     node: str
-    kind: Literal["died", "timeout", "exception", "aborted"]
+    kind: FailureKind
     detail: str
 
     def describe(self) -> str:

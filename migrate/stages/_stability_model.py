@@ -17,7 +17,7 @@ from convergence.stability import (HealthLimits, Recovery, Segment, StabilityVer
                                    periodic_slowdown, step_times)
 from checkpoint.layout import ParallelLayout
 from migrate.pipeline.stage import StageOptions
-from migrate.workload.model_spec import Kill
+from migrate.workload.model_spec import Engine, Kill
 
 if TYPE_CHECKING:
     from migrate.workload.long_run import RunRecords
@@ -151,7 +151,7 @@ def decide_recovery(attempt: Attempt, *, restarts: int, max_restarts: int,
 class RunPlan:
     """The fixed inputs of the run's attempts."""
 
-    engine: str
+    engine: Engine
     layout: ParallelLayout
     micro_batch_size: int
     start_step: int

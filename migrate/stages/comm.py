@@ -122,7 +122,7 @@ def judge(result: Any, fail_on_missing: bool) -> list[str]:
     return reasons
 
 
-def _fingerprint(job: Any, options: CommOptions) -> Mapping[str, Any]:
+def _fingerprint(job: Any, options: Any) -> Mapping[str, Any]:
     if not options.compare_with:
         return {}
     path = Path(job.resolve(options.compare_with))

@@ -151,10 +151,11 @@ def run(ctx: StageContext) -> StageOutcome:
     with ctx.worker_group(world_size=options.world_size if options.compare else 1,
                           init_distributed=bool(options.compare) and options.world_size > 1) as group:
         result = group.run(probe, request)[0]
+    assert result is not None  # rank 0 returns the suite's result
     path = ctx.work_dir / "ops.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     statuses = [r["status"] for r in result["operators"]]
-    metrics = {"operators": len(statuses), "passed": statuses.count("pass"), "failed": statuses.count("fail"),
+    metrics: dict[str, Any] = {"operators": len(statuses), "passed": statuses.count("pass"), "failed": statuses.count("fail"),
                "unsupported": statuses.count("unsupported")}
     for status in ("native", "fallback", "missing", "wrong"):
         metrics[f"custom_{status}"] = sum(1 for v in result["custom"] if v["status"] == status)

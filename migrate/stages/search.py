@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -71,7 +71,7 @@ def run(ctx: StageContext) -> StageOutcome:
     if override is not None:  # later stages use the job's layout: say so now, and in the report
         print(f"[search] warning: {override}", file=sys.stderr, flush=True)
         summary = f"> **Warning:** {override}.\n\n{summary}"
-    metrics = {"space": result.space_size, "rejected": result.rejected, "feasible": result.feasible,
+    metrics: dict[str, Any] = {"space": result.space_size, "rejected": result.rejected, "feasible": result.feasible,
                "profiled": result.profiled, "profiled_fraction": round(result.profiled_fraction, 4),
                "profile_calls": result.profile_calls, "cache_hits": result.cache_hits,
                "target_met": result.target_met}

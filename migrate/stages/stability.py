@@ -66,7 +66,7 @@ def _prune(committed: Sequence[tuple[int, str]], keep: int, protected: Sequence[
 
 def _select(record: dict[str, Any]) -> dict[str, Any]:
     """What the tracker logs of a rank-0 line: training metrics and memory in MiB."""
-    out = {k: record[k] for k in ("loss", "grad_norm", "lr", "step_time_s") if k in record}
+    out: dict[str, Any] = {k: record[k] for k in ("loss", "grad_norm", "lr", "step_time_s") if k in record}
     for key in ("host_rss_bytes", "device_allocated_bytes", "device_reserved_bytes"):
         if key in record:
             out[key.replace("_bytes", "_mib")] = record[key] / MIB
@@ -99,7 +99,8 @@ def _run_attempt(ctx: StageContext, plan: RunPlan, options: StabilityOptions, *,
         limit = min(limit, max(0.0, plan.deadline - time.time()) + job.target.timeout_s + options.step_timeout_s)
     env = {"DS_ACCELERATOR": job.target.device_type, "OMP_NUM_THREADS": "1"}
     started = time.time()
-    failure, failed_ranks, stopped = "", (), None
+    failure, stopped = "", None
+    failed_ranks: tuple[int, ...] = ()
     total = remaining if plan.deadline is None else None
     try:
         with ctx.worker_group(world_size=plan.layout.world_size, env=env) as group:

@@ -179,7 +179,7 @@ def _run_external(ctx: StageContext, options: TrainOptions, side_dir: Path) -> S
     run = read_metrics(results[0].log_path) if Path(results[0].log_path).exists() else None
     loss = run.find("loss") if run else None
     records = []
-    if loss is not None:
+    if loss is not None and run is not None:
         others = {name: run.find(name) for name in ("grad_norm", "lr")}
         for step, value in zip(loss.steps, loss.values):
             record = {"step": int(step), "loss": float(value)}
@@ -256,5 +256,6 @@ STAGE = StageDefinition(
     options=TrainOptions,
     reads=("source", "target", "model", "training"),
     fingerprint=_fingerprint,
-    artifact_key=lambda options: "train" if getattr(options, "side", "baseline") == "baseline" else f"train/{options.side}",
+    artifact_key=lambda options: ("train" if (side := getattr(options, "side", "baseline")) == "baseline"
+                                  else f"train/{side}"),
 )

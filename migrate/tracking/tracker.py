@@ -94,7 +94,7 @@ class Tracker:
         if self._wandb_run is None and self._tracking.wandb.enabled:
             import wandb
 
-            mode = os.environ.get("WANDB_MODE", self._tracking.wandb.mode)
+            mode: Any = os.environ.get("WANDB_MODE", self._tracking.wandb.mode)  # wandb refuses a mode it does not know
             os.environ.setdefault("WANDB_SILENT", "true")  # the run's folder is printed by `migrate` itself
             self._wandb_run = wandb.init(
                 project=self._tracking.wandb.project, entity=self._tracking.wandb.entity,

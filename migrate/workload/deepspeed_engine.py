@@ -149,7 +149,7 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
             metrics.append(record)
             message = log.write(record)
             probe.after_step(record, skipped=engine.skipped_steps != skipped_before)
-            if should_save(spec, step + 1):
+            if spec.save_dir is not None and should_save(spec, step + 1):
                 tag = f"global_step{step + 1}"
                 state = gather_state(step=step + 1, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=dp,
                                      role=role, consumed_tokens=sampler.consumed_samples * model_spec.seq_length)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from migrate.workload.metrics import RankResult
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from migrate.workload.model_spec import ModelSpec, Precision, RunSpec, TrainSpec
 
 TINY_LLAMA = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32)
@@ -50,7 +50,7 @@ def launch(spec: RunSpec, world_size: int, timeout_s: float = 600.0) -> list[Ran
 
 
 def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zero_stage: int,
-                              dtype: str = "fp32", steps: int = 2, model: ModelSpec = TINY_LLAMA,
+                              dtype: Precision = "fp32", steps: int = 2, model: ModelSpec = TINY_LLAMA,
                               global_batch_size: int = 8) -> TrainedCheckpoint:
     """Train `steps` DeepSpeed steps at DP=`world_size`, ZeRO `zero_stage`, `dtype` (fp32|bf16)
     and save with `engine.save_checkpoint(directory, tag="global_step<steps>")`."""
@@ -62,7 +62,7 @@ def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zer
 
 def make_megatron_checkpoint(directory: str | os.PathLike, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                              moe: bool = False, steps: int = 2, distributed_optimizer: bool = True,
-                             dtype: str = "fp32", global_batch_size: int = 8) -> TrainedCheckpoint:
+                             dtype: Precision = "fp32", global_batch_size: int = 8) -> TrainedCheckpoint:
     """Train `steps` Megatron-Core steps at tp x pp x dp (ep divides dp; `moe` uses TINY_MIXTRAL) with
     the DistributedOptimizer and save a torch_dist checkpoint; `.path` is `<directory>/iter_<steps>`."""
     from migrate.workload.megatron.state import iteration_dir
@@ -76,7 +76,7 @@ def make_megatron_checkpoint(directory: str | os.PathLike, *, tp: int = 1, pp: i
 
 
 def make_fsdp_checkpoint(directory: str | os.PathLike, *, world_size: int, steps: int = 2,
-                         dtype: str = "fp32") -> TrainedCheckpoint:
+                         dtype: Precision = "fp32") -> TrainedCheckpoint:
     """Train `steps` FSDP2 steps at `world_size` ranks and save with DCP; `.path` is `<directory>/step-<steps>`."""
     from migrate.workload.fsdp_engine import step_dir
 

@@ -26,8 +26,9 @@ class SequenceParallelTorchNorm:
     """Builds `torch.nn.LayerNorm` or `torch.nn.RMSNorm` (by `config.normalization`) like
     `WrappedTorchNorm`, marking each parameter `sequence_parallel = config.sequence_parallel`."""
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+    def __new__(  # type: ignore[misc]  # a factory: Megatron's spec builds it by calling the class
+            cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+            zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
         if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
             raise ValueError(f"SequenceParallelTorchNorm: zero_centered_gamma({config.layernorm_zero_centered_gamma}) "
                              f"persist_layer_norm({config.persist_layer_norm}) memory_efficient_layer_norm"
@@ -47,7 +48,8 @@ class HeadTorchNorm:
     assertion against sequence parallel: it normalises heads after the sequence is gathered, so each TP rank sees
     every token and its parameters are not marked `sequence_parallel` (their grads need no TP all-reduce)."""
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+    def __new__(  # type: ignore[misc]  # a factory, as above
+            cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         return kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
 

@@ -101,10 +101,10 @@ def fsdp_state_print(model: torch.nn.Module, optimizer: torch.optim.Optimizer, v
     main = dist.get_rank() == 0
     mine: dict[str, TensorPrint] = {}
     for name, tensor in sorted(get_model_state_dict(model).items()):
-        full = _full(tensor)
+        full = _full(tensor)  # type: ignore[arg-type]  # a model state dict holds tensors
         if main:
             mine[f"model.{name}"] = _whole(full)
-    state = get_optimizer_state_dict(model, optimizer)["state"]
+    state: dict[str, Any] = get_optimizer_state_dict(model, optimizer)["state"]  # type: ignore[assignment]
     for fqn in sorted(state):
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state[fqn]:

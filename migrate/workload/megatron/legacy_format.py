@@ -165,7 +165,7 @@ def _check_layout(args: Any, where: Path, *, tp: int, pp: int, ep: int, vpp: int
              "ep": getattr(args, "expert_model_parallel_size", 1) or 1,
              "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1}
     run = {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}
-    diff = [f"{k}: saved {saved[k]}, run {run[k]}" for k in run if saved[k] is not None and int(saved[k]) != run[k]]
+    diff = [f"{k}: saved {v}, run {run[k]}" for k in run if (v := saved[k]) is not None and int(v) != run[k]]
     if diff:
         raise RuntimeError(f"{where}: legacy checkpoint saved at another layout ({'; '.join(diff)}); convert it "
                            f"with `migrate convert --to megatron-legacy` for this layout")
@@ -183,7 +183,8 @@ def load_legacy_checkpoint(chunks: list, optimizer: Any, sampler: SamplerState, 
     model_file, optim_file = rank_files(load_dir)
     distributed = any(hasattr(o, "load_parameter_state_from_dp_zero")
                       for o in getattr(optimizer, "chained_optimizers", [optimizer]))
-    state, problem = None, None
+    state: Any = None
+    problem: str | None = None
     try:
         state = safe_load.load(model_file, trust_checkpoint=trust_checkpoint)
         if distributed and not optim_file.is_file():
