@@ -15,7 +15,9 @@ from typing import Any
 
 from checkpoint.destination import Existing, refuse_unfinished
 from checkpoint.errors import CheckpointFormatError, PlanError
-from checkpoint.execute import ExecutionResult, MapFn, Writer, check_destination, execute
+from checkpoint.execute import ExecutionResult, check_destination, execute
+from checkpoint.pools import MapFn
+from checkpoint.write import Writer
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import FORMAT_ALIASES, CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.execute import _Sources
+from checkpoint.io.sources import Sources
 from checkpoint.index import CheckpointIndex, TensorEntry
 from checkpoint.overlap import global_flat_range
 
 
-def read_tensor(index: CheckpointIndex, entry: TensorEntry, sources: _Sources | None = None) -> torch.Tensor:
+def read_tensor(index: CheckpointIndex, entry: TensorEntry, sources: Sources | None = None) -> torch.Tensor:
     """The full tensor of `entry`, gathered from its chunks (padding in the stored buffers excluded)."""
-    sources = sources or _Sources(Path(index.root), trust_checkpoint=False)
+    sources = sources or Sources(Path(index.root), trust_checkpoint=False)
     out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
     flat_out = out.view(-1)
     for c in entry.chunks:
@@ -32,6 +32,6 @@ def read_tensor(index: CheckpointIndex, entry: TensorEntry, sources: _Sources | 
 
 def iter_tensors(index: CheckpointIndex) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
     """(entry, full tensor) for every entry of `index`, source files opened once (mmap)."""
-    sources = _Sources(Path(index.root), trust_checkpoint=False)
+    sources = Sources(Path(index.root), trust_checkpoint=False)
     for entry in index.entries:
         yield entry, read_tensor(index, entry, sources)

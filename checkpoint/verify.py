@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.execute import _Sources, verify_manifest
+from checkpoint.io.sources import Sources
+from checkpoint.manifest import verify_manifest
 from checkpoint.errors import PlanError
 from checkpoint.index import CheckpointIndex, Kind
 from checkpoint.materialize import read_tensor
@@ -28,7 +29,7 @@ def compare_indexes(source: CheckpointIndex, target: CheckpointIndex) -> list[st
         target, step_problems = split_derived_steps(source, target)
         problems += step_problems
     src_entries = source.by_key()
-    src_files, dst_files = _Sources(Path(source.root), False), _Sources(Path(target.root), False)
+    src_files, dst_files = Sources(Path(source.root), False), Sources(Path(target.root), False)
     for entry in target.entries:
         try:
             src_entry, _ = source_for(entry.key, entry.dtype, src_entries)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint.execute import MapFn
+from checkpoint.pools import MapFn
 
 
 def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None) -> MapFn:

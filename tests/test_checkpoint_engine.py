@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import execute as execute_mod
 from checkpoint import safe_load
+from checkpoint.destination import MANIFEST
 from checkpoint.errors import CheckpointFormatError, DestinationError, PlanError, UntrustedCheckpointError
-from checkpoint.execute import MANIFEST, execute, verify_manifest
+from checkpoint.execute import execute
+from checkpoint.manifest import verify_manifest
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, make_plan, summarize
 
@@ -119,7 +120,7 @@ def test_disk_full_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *a, **k)
 
-    monkeypatch.setattr(execute_mod.torch, "save", save_until_full)
+    monkeypatch.setattr(torch, "save", save_until_full)
     with pytest.raises(DestinationError, match=r"out2\.pt.*No space left"):
         execute(make_plan(source, _flat_target(4)), DictWriter(), tmp_path / "dst")
     assert not (tmp_path / "dst").exists()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkpoint.api import convert, detect_format, read_index
-from checkpoint.execute import verify_manifest
+from checkpoint.manifest import verify_manifest
 from checkpoint.formats.dcp import dim0_pieces
 from checkpoint.index import Kind
 from checkpoint.verify import compare_indexes

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from checkpoint import safe_load
 from checkpoint.api import convert, plan_conversion, read_index
 from checkpoint.errors import PlanError
-from checkpoint.execute import verify_manifest
+from checkpoint.manifest import verify_manifest
 from checkpoint.materialize import iter_tensors
 from migrate.commands.inspect import command as inspect_cmd
 

@@ -17,7 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint import safe_load
-from checkpoint.execute import MANIFEST, copy_item, crc32_combine, execute, file_crc32, verify_manifest
+from checkpoint.copy_items import copy_item
+from checkpoint.destination import MANIFEST
+from checkpoint.execute import execute
+from checkpoint.io.checksum import crc32_combine, file_crc32
+from checkpoint.manifest import verify_manifest
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorKey
 from checkpoint.plan import ConversionPlan, CopyItem, TargetBuffer, TargetFile, TargetSpec, WriteMode
 

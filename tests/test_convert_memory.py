@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.execute import execute, verify_manifest
+from checkpoint.execute import execute
+from checkpoint.manifest import verify_manifest
 from checkpoint.index import CheckpointIndex
 from checkpoint.plan import ConversionPlan, TargetBuffer, TargetFile, TargetSpec, WriteMode
 

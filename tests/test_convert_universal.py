@@ -17,7 +17,7 @@ from ds_checkpoint_fixtures import (DSCheckpointSpec, deepspeed_checkpoints, loa
 from checkpoint import safe_load
 from checkpoint.api import convert, detect_format, read_index
 from checkpoint.errors import PlanError
-from checkpoint.execute import verify_manifest
+from checkpoint.manifest import verify_manifest
 from checkpoint.formats.universal import LATEST
 
 pytestmark = pytest.mark.slow

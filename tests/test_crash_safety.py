@@ -30,7 +30,7 @@ from click.testing import CliRunner
 from checkpoint.api import read_index
 from checkpoint.destination import INCOMPLETE, MANIFEST
 from checkpoint.errors import CheckpointError
-from checkpoint.execute import verify_manifest
+from checkpoint.manifest import verify_manifest
 from migrate.cli import main as cli
 
 pytestmark = pytest.mark.slow

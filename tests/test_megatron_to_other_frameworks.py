@@ -18,7 +18,7 @@ import torch
 
 from checkpoint.api import convert, read_index
 from checkpoint.formats.adam_step import split_derived_steps
-from checkpoint.execute import copy_item
+from checkpoint.copy_items import copy_item
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey
 from checkpoint.plan import TargetFile, TargetSpec, make_plan
 from checkpoint.verify import compare_indexes

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from checkpoint import safe_load
-from checkpoint.execute import verify_manifest
+from checkpoint.manifest import verify_manifest
 from migrate.cli import main as cli
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import CheckpointFormatError, PlanError
-from checkpoint.execute import Writer
+from checkpoint.write import Writer
 from checkpoint.index import CheckpointIndex
 from checkpoint.plan import TargetSpec
 

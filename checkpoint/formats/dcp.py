@@ -32,7 +32,8 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
-from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.io.sources import BYTE_RANGE, load_range
+from checkpoint.write import FileRecord, StreamPayload
 from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
                                      refuse_tied_embeddings)

@@ -28,7 +28,9 @@ from typing import Any, BinaryIO
 import torch
 
 from checkpoint.errors import CheckpointFormatError, PlanError
-from checkpoint.execute import SAFETENSORS, StreamPayload, bytes_of
+from checkpoint.io.buffers import bytes_of
+from checkpoint.io.sources import SAFETENSORS
+from checkpoint.write import StreamPayload
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_shared_params
 from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_spec
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey

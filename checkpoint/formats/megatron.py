@@ -37,7 +37,8 @@ import torch
 from checkpoint import safe_load
 from checkpoint.formats.megatron_paths import TRACKER_FILE, iteration_dir_name
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError, UntrustedCheckpointError
-from checkpoint.execute import BYTE_RANGE, FileRecord, StreamPayload, load_range
+from checkpoint.io.sources import BYTE_RANGE, load_range
+from checkpoint.write import FileRecord, StreamPayload
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
 from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata

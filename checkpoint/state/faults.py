@@ -50,6 +50,7 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE
+from checkpoint.io.sources import load_range
 from checkpoint.state.rng import _generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
@@ -223,7 +224,6 @@ def _splice_objects(root: Path, replace: Mapping[Any, bytes]) -> list[Path]:
 
 def _inject_megatron(root: Path, fault: str, batches: int) -> list[Path]:
     """`shift_data` on ours (`migrate`) in `common.pt`; `reset_rng` on every `rng_state` object."""
-    from checkpoint.execute import load_range
     from checkpoint.formats.megatron import RNG_OBJECT_RE
     from checkpoint.state.rng import from_megatron, to_megatron
 
@@ -311,7 +311,6 @@ def swap_kv_rows(tensor: torch.Tensor, model: Mapping[str, Any]) -> torch.Tensor
 def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None = None) -> list[Path]:
     """A tensor fault on a DCP-format checkpoint (Megatron-Core torch_dist or torch DCP), spliced into its files.
     The master is Megatron's `optimizer.state.param` where present, else the model's fp32 weights."""
-    from checkpoint.execute import load_range
 
     md = safe_load.read_dcp_metadata(root)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -395,7 +394,6 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
 def _inject_dcp_counters(root: Path, fault: str, batches: int) -> list[Path]:
     """`shift_data` (ours: `migrate.sampler.*`) or `reset_lr` (`lr_scheduler.*` step counters) on a torch DCP
     checkpoint, its values spliced into its files; `reset_rng` has nothing to replace (DCP holds no RNG)."""
-    from checkpoint.execute import load_range
 
     md = safe_load.read_dcp_metadata(root)
     values = {idx.fqn: idx for idx in md.storage_data}

@@ -16,7 +16,7 @@ from checkpoint.api import WRITABLE_FORMATS, convert, read_index
 from checkpoint.formats import FORMAT_ALIASES
 from checkpoint.destination import Existing
 from checkpoint.errors import CheckpointError
-from checkpoint.execute import local_map
+from checkpoint.pools import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
 from migrate.progress import LiveStatus

@@ -103,7 +103,7 @@ def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.api import convert, detect_format, read_index
     from checkpoint.destination import Existing, State, state_of
     from checkpoint.errors import OtherPlanError
-    from checkpoint.execute import local_map
+    from checkpoint.pools import local_map
     from checkpoint.plan import rank_summaries, summarize
     from checkpoint.verify import compare_indexes
 

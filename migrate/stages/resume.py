@@ -253,7 +253,7 @@ def manifest_problems(checkpoint: str | Path) -> tuple[str, ...]:
     """Why `checkpoint`'s files are not the ones its conversion wrote (size and checksum of every file its
     `manifest.json` lists; a missing manifest or an in-progress marker); empty when intact."""
     from checkpoint.destination import MANIFEST
-    from checkpoint.execute import verify_manifest
+    from checkpoint.manifest import verify_manifest
 
     if not (Path(checkpoint) / MANIFEST).is_file():
         return (f"{Path(checkpoint) / MANIFEST}: missing: the converted checkpoint cannot be checked against what the "
