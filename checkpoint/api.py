@@ -1,8 +1,9 @@
 """One-call entry points: read (detect the format), plan, convert. Thin composition over the format table.
 
-`read_index(path)` -> CheckpointIndex; `plan_conversion(index, to=..., dp=..., zero_stage=...)` ->
-(ConversionPlan, Writer); `convert(src, dst, ...)` runs the plan (or only plans, with dry_run).
-Formats come from `checkpoint.formats.FORMATS`; nothing here names a format.
+`read_index(path, expect=LayoutRequest(...))` -> CheckpointIndex; `plan_conversion(index, to=...,
+target=LayoutRequest(...))` -> (ConversionPlan, Writer); `convert(src, dst, to=..., target=..., expect=...,
+strict=Strictness...)` runs the plan (or only plans, with dry_run). Layouts are asked for as `LayoutRequest`s
+(a None axis: the checkpoint's). Formats come from `checkpoint.formats.FORMATS`; nothing here names a format.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from checkpoint.write import Writer
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import FORMAT_ALIASES, CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex
+from checkpoint.layout import LayoutRequest
 from checkpoint.naming import named_for_target
 from checkpoint.paths import check_disjoint, check_links, inside
 from checkpoint.plan import ConversionPlan, make_plan
 from checkpoint.rules.names import NAMINGS
+from checkpoint.strictness import StateDifference, Strictness, check
 
 FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE)
 WRITABLE_FORMATS: tuple[str, ...] = tuple(f.name for f in FORMAT_TABLE if f.writable)
@@ -51,26 +54,32 @@ def detect_format(path: str | Path) -> str:
     raise CheckpointFormatError(f"{path}: no known checkpoint format found (looked for: {', '.join(FORMATS)})")
 
 
-def read_index(path: str | Path, *, trust_checkpoint: bool = False, expect_dp: int | None = None,
-               expect_stage: int | None = None, expect_tp: int | None = None, expect_pp: int | None = None,
-               expect_ep: int | None = None, fmt: str | None = None, follow_symlinks: bool = False,
+NO_REQUEST = LayoutRequest()  # every axis left to the checkpoint
+
+
+def read_index(path: str | Path, *, expect: LayoutRequest = NO_REQUEST, trust_checkpoint: bool = False,
+               fmt: str | None = None, follow_symlinks: bool = False,
                model_config: Mapping[str, Any] | None = None) -> CheckpointIndex:
     """Index the checkpoint at `path` (format detected unless `fmt`) from metadata only, checking the
-    declared layout when given. `model_config` gives the architecture to readers whose sources may lack it
-    (Megatron), and overrides what a source records (each overridden field named in meta `arch_overrides`).
+    layout it declares against each axis `expect` names (LayoutMismatchError otherwise). `model_config` gives
+    the architecture to readers whose sources may lack it (Megatron), and overrides what a source records
+    (each overridden field named in meta `arch_overrides`).
 
     Before anything is read: the folder must not be a conversion's unfinished output, and no symbolic
     link in it may lead outside it (unless `follow_symlinks`); after: every file the index names must lie
     inside the checkpoint's root. Raises CheckpointFormatError naming the file otherwise."""
     path = Path(path)
+    if expect.vpp is not None:
+        raise PlanError(f"expect vpp={expect.vpp}: sources do not declare a virtual pipeline size to check; "
+                        f"leave it None")
     if not path.exists():
         raise CheckpointFormatError(f"{path}: no such file or directory")
     refuse_unfinished(path)
     check_links(path, follow_symlinks=follow_symlinks)
     spec = get_format(fmt) if fmt is not None else get_format(detect_format(path))
     try:
-        index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect_dp, zero_stage=expect_stage,
-                                            tp=expect_tp, pp=expect_pp, ep=expect_ep, model_config=model_config))
+        index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect.dp, zero_stage=expect.zero_stage,
+                                            tp=expect.tp, pp=expect.pp, ep=expect.ep, model_config=model_config))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, OSError) as err:
         # content the reader's own checks did not foresee: still one line naming the checkpoint, not a traceback
         raise CheckpointFormatError(f"{path}: not a readable {spec.name} checkpoint ({type(err).__name__}: "
@@ -88,12 +97,12 @@ def check_index_paths(index: CheckpointIndex, *, follow_symlinks: bool = False) 
         inside(root, rel, what=f"{root}: the {index.format} checkpoint's file list")
 
 
-def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, zero_stage: int | None = None,
-                    tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
+def plan_conversion(index: CheckpointIndex, *, to: str, target: LayoutRequest = NO_REQUEST,
                     arch: str | None = None, model_config: Mapping[str, Any] | None = None,
                     max_shard_size: int | str | None = None, dcp_layout: str | None = None,
                     param_names: str | None = None) -> tuple[ConversionPlan, Writer]:
-    """Plan `index` into format `to` at the target layout (None: the source's, or the format's only choice).
+    """Plan `index` into format `to` at the `target` layout (a None axis: the source's, or the format's only
+    choice).
 
     `model_config`: the architecture (ModelSpec-style fields) for targets that need one the source lacks.
     `param_names`: the naming convention a DeepSpeed/DCP target is written in (canonical, hf, torchtitan; default:
@@ -101,7 +110,8 @@ def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, z
     spec = get_format(to)
     if spec.target is None or spec.writer is None:
         raise PlanError(f"format {to!r} is read-only; writable formats: {', '.join(WRITABLE_FORMATS)}")
-    opts = TargetOptions(dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
+    opts = TargetOptions(dp=target.dp, zero_stage=target.zero_stage, tp=target.tp, pp=target.pp, ep=target.ep,
+                         vpp=target.vpp, arch=arch,
                          model_config=model_config, max_shard_size=max_shard_size, dcp_layout=dcp_layout,
                          param_names=param_names)
     if param_names is not None and param_names not in NAMINGS:
@@ -111,27 +121,26 @@ def plan_conversion(index: CheckpointIndex, *, to: str, dp: int | None = None, z
         raise PlanError(f"--param-names {param_names}: {to} targets {why}; formats that take --param-names: "
                         f"{', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
     index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
-    target = spec.target(index, opts)
-    return make_plan(index, target), spec.writer
+    return make_plan(index, spec.target(index, opts)), spec.writer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ConversionOutcome:
     plan: ConversionPlan
     result: ExecutionResult | None  # None for a dry run
+    differences: tuple[StateDifference, ...] = ()  # what did not pass unchanged (`strictness.differences`)
 
 
-def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None, zero_stage: int | None = None,
-            tp: int | None = None, pp: int | None = None, ep: int | None = None, vpp: int | None = None,
+def convert(src: str | Path, dst: str | Path, *, to: str, target: LayoutRequest = NO_REQUEST,
+            expect: LayoutRequest = NO_REQUEST, strict: Strictness = Strictness.REPORT,
             arch: str | None = None, model_config: Mapping[str, Any] | None = None,
             max_shard_size: int | str | None = None, dcp_layout: str | None = None, param_names: str | None = None,
-            dry_run: bool = False,
-            map_fn: MapFn | None = None,
+            dry_run: bool = False, map_fn: MapFn | None = None,
             trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
-            expect_dp: int | None = None, expect_stage: int | None = None, expect_tp: int | None = None,
-            expect_pp: int | None = None, expect_ep: int | None = None,
             phase: Callable[..., None] | None = None) -> ConversionOutcome:
-    """Read `src`, plan for the target, and (unless dry_run) write `dst` atomically with a manifest.
+    """Read `src` (checking the layout it declares against `expect`), plan for format `to` at the `target`
+    layout, hold the plan to `strict` (PlanError before anything is written when it refuses), and (unless
+    dry_run) write `dst` atomically with a manifest.
 
     `dst` may neither be the source nor lie inside it (nor contain it); `existing` says what to do with an
     earlier conversion's output there (refuse, resume an unfinished one, overwrite). `phase(text, files=())`
@@ -140,17 +149,17 @@ def convert(src: str | Path, dst: str | Path, *, to: str, dp: int | None = None,
     say = phase or (lambda *_, **__: None)
     check_disjoint(src, dst)
     say(f"reading the source index of {src}")
-    index = read_index(src, trust_checkpoint=trust_checkpoint, expect_dp=expect_dp, expect_stage=expect_stage,
-                       expect_tp=expect_tp, expect_pp=expect_pp, expect_ep=expect_ep, follow_symlinks=follow_symlinks,
+    index = read_index(src, expect=expect, trust_checkpoint=trust_checkpoint, follow_symlinks=follow_symlinks,
                        model_config=model_config)
     check_disjoint(index.root, dst)
     say(f"planning {to} from {len(index.entries)} source tensors in {len(index.files)} files")
-    plan, writer = plan_conversion(index, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp,
-                                   arch=arch, model_config=model_config, max_shard_size=max_shard_size,
-                                   dcp_layout=dcp_layout, param_names=param_names)
+    plan, writer = plan_conversion(index, to=to, target=target, arch=arch, model_config=model_config,
+                                   max_shard_size=max_shard_size, dcp_layout=dcp_layout, param_names=param_names)
+    differences = check(plan, strict)
     check_destination(Path(dst), existing)
     if dry_run:
-        return ConversionOutcome(plan=plan, result=None)
+        return ConversionOutcome(plan=plan, result=None, differences=differences)
     say(f"writing {len(plan.target.files)} files to {dst}", files=[f.path for f in plan.target.files])
     return ConversionOutcome(plan=plan, result=execute(plan, writer, dst, map_fn=map_fn,
-                                                       trust_checkpoint=trust_checkpoint, existing=existing))
+                                                       trust_checkpoint=trust_checkpoint, existing=existing),
+                             differences=differences)

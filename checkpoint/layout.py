@@ -185,3 +185,36 @@ class ParallelLayout:
         if unknown:
             raise LayoutError(f"unknown layout keys {unknown}; allowed: {sorted(known)}")
         return cls(**data)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutRequest:
+    """A layout asked of a conversion, axis by axis; a `None` axis is left to the checkpoint.
+
+    As a conversion's `target`: the layout to write (`None`: the source's size, or the target format's only
+    choice). As its `expect`: what the source must declare (`None`: not checked; `vpp` is not declared by
+    sources and cannot be expected). `dp` is the data-parallel size (for DCP: the world size), `zero_stage`
+    DeepSpeed's ZeRO stage (1-3)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    vpp: int | None = None
+    zero_stage: int | None = None
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "tp", "pp", "ep", "vpp"):
+            value = getattr(self, axis)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise LayoutError(f"{axis}={value!r}: a parallel size is a positive integer (or None: the checkpoint's)")
+        if self.zero_stage is not None and self.zero_stage not in (1, 2, 3):
+            raise LayoutError(f"zero_stage={self.zero_stage!r}: DeepSpeed's ZeRO stages are 1, 2 and 3 (or None)")
+
+    def describe(self) -> str:
+        """The axes asked for, e.g. ``tp2·dp4 zero1``; ``as the checkpoint`` when none is."""
+        parts = [f"{axis}{getattr(self, axis)}" for axis in ("tp", "pp", "vpp", "dp", "ep") if getattr(self, axis)]
+        label = "·".join(parts)
+        if self.zero_stage is not None:
+            label = f"{label} zero{self.zero_stage}".strip()
+        return label or "as the checkpoint"

@@ -206,10 +206,10 @@ _CONVERT = """
 import time
 t0 = time.perf_counter()
 import json, sys
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 a = json.loads(sys.argv[1])
 start = time.perf_counter()
-convert(a["src"], a["dst"], to=a["to"], dp=a["dp"], zero_stage=a["stage"])
+convert(a["src"], a["dst"], to=a["to"], target=LayoutRequest(dp=a["dp"], zero_stage=a["stage"]))
 seconds = time.perf_counter() - start
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "import_seconds": start - t0, "peak_rss": int(hwm.split()[1]) * 1024}))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint.api import plan_conversion
+from checkpoint.api import LayoutRequest, plan_conversion
 from checkpoint.formats.megatron_synth import plan_figures, synthetic_index
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.rules.megatron import ArchSpec
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     index = synthetic_index(LLAMA_70B, SOURCE)
     indexed = time.perf_counter()
-    plan, _ = plan_conversion(index, to="megatron", tp=args.tp, pp=args.pp, dp=args.dp)
+    plan, _ = plan_conversion(index, to="megatron", target=LayoutRequest(dp=args.dp, tp=args.tp, pp=args.pp))
     planned = time.perf_counter()
     target = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
     print(f"Llama-70B ({sum(e.numel for e in index.entries if e.key.kind == 'param') / 1e9:.2f} B params), "

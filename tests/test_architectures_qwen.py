@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from tests.megatron_lm_fixtures import LLAMA, MegatronLMRun, load_megatron_lm, megatron_logits, plain_state, save_megatron_lm
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def test_megatron_lm_loads_the_qwen_conversion_with_every_state_equal(qwen_check
         assert names["layers.1.mlp.experts.3.down_proj.weight"] == (64, 48)
     tp, pp, dp, ep = layout
     dst = tmp_path / "converted"
-    convert(src, dst, to=to, tp=tp, pp=pp, dp=dp, ep=ep)
+    convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep))
     run = RUNS[family]
     target = dataclasses.replace(run, tp=tp, pp=pp, dp=dp, ep=ep, ckpt_format="torch" if to == "megatron-legacy" else
                                  "torch_dist")
@@ -124,7 +124,7 @@ def test_a_transformers_qwen_model_converts_to_megatron_and_gives_its_logits(tmp
     hf.save_pretrained(tmp_path / "hf")
     dst = tmp_path / "mcore"
     layout = {"tp": 1, "ep": 2, "dp": 2} if m.is_moe else {"tp": 2}
-    convert(tmp_path / "hf", dst, to="megatron", **layout)
+    convert(tmp_path / "hf", dst, to="megatron", target=LayoutRequest(**layout))
     tokens = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens).logits

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from ds_checkpoint_fixtures import DSCheckpointSpec, deepspeed_checkpoints  # noqa: F401
 
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError
 from migrate.commands.convert import command as convert_cmd
 from migrate.commands.inspect import command as inspect_cmd
@@ -59,7 +59,7 @@ def test_missing_shard_is_named_and_nothing_written(source_copy, tmp_path):
     (source_copy / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     before = _digest(source_copy)
     with pytest.raises(CheckpointFormatError, match=r"dp_world_size=3 but optimizer shards for ranks \[1\] are missing"):
-        convert(source_copy, tmp_path / "out", to="deepspeed", dp=2)
+        convert(source_copy, tmp_path / "out", to="deepspeed", target=LayoutRequest(dp=2))
     assert not (tmp_path / "out").exists() and _digest(source_copy) == before
 
 
@@ -92,9 +92,9 @@ def test_legacy_non_zip_torch_file_is_named_with_the_fix(source_copy, tmp_path):
 
 def test_declared_layout_must_match(deepspeed_checkpoints, tmp_path):
     with pytest.raises(LayoutMismatchError, match=r"declared dp=4 but the checkpoint was saved at dp=3"):
-        convert(deepspeed_checkpoints(SPEC), tmp_path / "out", to="deepspeed", expect_dp=4)
+        convert(deepspeed_checkpoints(SPEC), tmp_path / "out", to="deepspeed", expect=LayoutRequest(dp=4))
     with pytest.raises(LayoutMismatchError, match=r"declared zero stage 3 but the checkpoint is stage 2"):
-        convert(deepspeed_checkpoints(SPEC), tmp_path / "out", to="deepspeed", expect_stage=3)
+        convert(deepspeed_checkpoints(SPEC), tmp_path / "out", to="deepspeed", expect=LayoutRequest(zero_stage=3))
 
 
 def test_non_empty_destination_is_refused(deepspeed_checkpoints, tmp_path):

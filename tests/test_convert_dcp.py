@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from checkpoint.api import convert, detect_format, read_index
+from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.manifest import verify_manifest
 from checkpoint.formats.dcp import dim0_pieces
 from checkpoint.index import Kind
@@ -52,7 +52,7 @@ def test_dim0_pieces_follow_torch_chunk():
 def test_fsdp_loads_the_conversion_at_another_world_size_like_dcps_own_reshard(fsdp_checkpoint, tmp_path):
     ckpt = fsdp_checkpoint(2)
     dst = tmp_path / "dcp_ws4"
-    outcome = convert(ckpt.path, dst, to="dcp", dp=4)
+    outcome = convert(ckpt.path, dst, to="dcp", target=LayoutRequest(dp=4))
     assert verify_manifest(dst) == [] and compare_indexes(outcome.plan.source, read_index(dst)) == []
     ours = _continue(ckpt.spec, "fsdp", dst, 4, steps=4)
     reference = _continue(ckpt.spec, "fsdp", ckpt.path, 4, steps=4)  # DCP's own resharding load
@@ -62,8 +62,8 @@ def test_fsdp_loads_the_conversion_at_another_world_size_like_dcps_own_reshard(f
 
 def test_dcp_round_trip_n_to_m_to_n_is_bit_exact(fsdp_checkpoint, tmp_path):
     src = fsdp_checkpoint(2).path
-    convert(src, tmp_path / "ws3", to="dcp", dp=3)
-    convert(tmp_path / "ws3", tmp_path / "back", to="dcp", dp=2)
+    convert(src, tmp_path / "ws3", to="dcp", target=LayoutRequest(dp=3))
+    convert(tmp_path / "ws3", tmp_path / "back", to="dcp", target=LayoutRequest(dp=2))
     source, back = read_index(src), read_index(tmp_path / "back")
     assert compare_indexes(source, back) == []
     assert sorted(e.key for e in source.entries) == sorted(e.key for e in back.entries)
@@ -74,7 +74,7 @@ def test_dcp_round_trip_n_to_m_to_n_is_bit_exact(fsdp_checkpoint, tmp_path):
 def test_deepspeed_to_dcp_with_optimizer_state_trains_on_under_fsdp(deepspeed_checkpoint, tmp_path):
     ckpt = deepspeed_checkpoint(2, 1)
     dst = tmp_path / "dcp"
-    outcome = convert(ckpt.path, dst, to="dcp", dp=2)
+    outcome = convert(ckpt.path, dst, to="dcp", target=LayoutRequest(dp=2))
     assert compare_indexes(outcome.plan.source, read_index(dst)) == []  # weights, exp_avg(_sq), step: exact
     assert read_index(dst).meta["train_state"]["lr_scheduler"] == {"last_step": 2}
     ours = _continue(ckpt.spec, "fsdp", dst, 2, steps=4, zero_stage=0)
@@ -88,7 +88,7 @@ def test_deepspeed_to_dcp_with_optimizer_state_trains_on_under_fsdp(deepspeed_ch
 def test_dcp_to_deepspeed_loads_in_deepspeed_and_trains_on(fsdp_checkpoint, tmp_path):
     ckpt = fsdp_checkpoint(2)
     dst = tmp_path / "ds"
-    outcome = convert(ckpt.path, dst, to="deepspeed", dp=1, zero_stage=2)
+    outcome = convert(ckpt.path, dst, to="deepspeed", target=LayoutRequest(dp=1, zero_stage=2))
     assert compare_indexes(outcome.plan.source, read_index(dst)) == []
     ours = _continue(ckpt.spec, "deepspeed", dst, 1, steps=4, zero_stage=2)
     reference = _continue(ckpt.spec, "fsdp", ckpt.path, 1, steps=4)
@@ -104,7 +104,7 @@ def test_deepspeed_through_dcp_and_back_keeps_the_lists_of_its_client_state(deep
     carried = read_index(tmp_path / "dcp").meta["dcp_values"]["migrate"]
     assert isinstance(carried["roles"], list) and isinstance(carried["rng"], list) and len(carried["rng"]) == 2
     assert isinstance(carried["data"]["consumed_samples_per_rank"], list)
-    convert(tmp_path / "dcp", tmp_path / "back", to="deepspeed", dp=2, zero_stage=1)
+    convert(tmp_path / "dcp", tmp_path / "back", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=1))
     ours = _continue(ckpt.spec, "deepspeed", tmp_path / "back", 2, steps=4)
     reference = _continue(ckpt.spec, "deepspeed", ckpt.path, 2, steps=4)
     assert ours == reference

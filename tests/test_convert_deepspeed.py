@@ -16,7 +16,7 @@ from ds_checkpoint_fixtures import (DSCheckpointSpec, deepspeed_checkpoints, loa
                                     universal_reference, zero_to_fp32_reference)
 
 from checkpoint import safe_load
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.manifest import verify_manifest
 from checkpoint.materialize import iter_tensors
 
@@ -56,7 +56,7 @@ def test_every_stage_and_dp_size_matches_deepspeeds_own_extraction(spec, deepspe
     ref32 = zero_to_fp32_reference(src)
     for dp, stage in TARGETS:
         dst = tmp_path / f"z{stage}_dp{dp}"
-        outcome = convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+        outcome = convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
         assert verify_manifest(dst) == []
         index = read_index(dst)
         assert (index.meta["dp"], index.meta["stage"], index.meta["dtype"]) == (
@@ -88,8 +88,8 @@ def _skeleton(obj):
 ], ids=lambda v: v.name if isinstance(v, DSCheckpointSpec) else f"via_z{v[1]}_dp{v[0]}")
 def test_round_trip_n_to_m_to_n_is_bit_exact(spec, via, deepspeed_checkpoints, tmp_path):
     src = deepspeed_checkpoints(spec)
-    convert(src, tmp_path / "mid", to="deepspeed", dp=via[0], zero_stage=via[1])
-    convert(tmp_path / "mid", tmp_path / "back", to="deepspeed", dp=spec.world_size, zero_stage=spec.stage)
+    convert(src, tmp_path / "mid", to="deepspeed", target=LayoutRequest(dp=via[0], zero_stage=via[1]))
+    convert(tmp_path / "mid", tmp_path / "back", to="deepspeed", target=LayoutRequest(dp=spec.world_size, zero_stage=spec.stage))
     original, back = read_index(src), read_index(tmp_path / "back")
     assert [(e.key, e.shape, e.dtype, e.chunks) for e in back.entries] == [
         (e.key, e.shape, e.dtype, e.chunks) for e in original.entries], "layout differs after the round trip"
@@ -115,7 +115,7 @@ LOADS = [  # (source, target dp, target stage): DeepSpeed loads the conversion a
 def test_deepspeed_loads_the_conversion_and_continues_training(spec, dp, stage, deepspeed_checkpoints, tmp_path):
     src = deepspeed_checkpoints(spec)
     dst = tmp_path / "converted"
-    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
     ref = universal_reference(src, tmp_path / "ref")
     loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype=spec.dtype, work=tmp_path / "load")
     _assert_same_state(loaded.params, ref, f"{spec.name} -> z{stage} dp{dp} loaded by DeepSpeed")
@@ -149,7 +149,7 @@ def test_config_built_fused_and_cpu_adam_convert_and_load_bit_exact(spec, dp, st
     assert optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"] == spec.steps
     assert type(optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int
     dst = tmp_path / "converted"
-    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
     assert verify_manifest(dst) == []
     loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype=spec.dtype, optimizer=spec.optimizer,
                             work=tmp_path / "load")
@@ -161,7 +161,7 @@ def test_config_built_fused_and_cpu_adam_convert_and_load_bit_exact(spec, dp, st
     assert math.isclose(loaded.probe_loss, source_probe, rel_tol=1e-5)
     assert math.isfinite(loaded.probe_after_step) and loaded.probe_after_step != loaded.probe_loss
     # and back to the source layout: every tensor, the int step included, bit for bit
-    convert(dst, tmp_path / "back", to="deepspeed", dp=spec.world_size, zero_stage=spec.stage)
+    convert(dst, tmp_path / "back", to="deepspeed", target=LayoutRequest(dp=spec.world_size, zero_stage=spec.stage))
     original, back = read_index(src), read_index(tmp_path / "back")
     for (entry, a), (_, b) in zip(iter_tensors(original), iter_tensors(back), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{entry.key} differs after the round trip"
@@ -194,7 +194,7 @@ def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrap
     index = read_index(src)
     assert (index.meta["stage"], index.meta["optimizer_flavor"]) == (1, "bf16_optimizer")
     dst = tmp_path / "converted"
-    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
     assert verify_manifest(dst) == []
     last = safe_load.load(dst / "global_step3" / f"bf16_zero_pp_rank_{dp - 1}_mp_rank_00_optim_states.pt")
     assert ("zero_stage" in last["optimizer_state_dict"]) == (wrapper != "BF16_Optimizer")
@@ -207,7 +207,7 @@ def test_bf16_optimizer_checkpoints_convert_and_load(dp, stage, grad_accum, wrap
     assert loaded.probe_loss == fixture["probe_loss"]
     assert math.isfinite(loaded.probe_after_step) and loaded.probe_after_step != loaded.probe_loss
     if stage == 1:  # and back: BF16_Optimizer's files again, bit for bit
-        convert(dst, tmp_path / "back", to="deepspeed", dp=spec.world_size, zero_stage=1)
+        convert(dst, tmp_path / "back", to="deepspeed", target=LayoutRequest(dp=spec.world_size, zero_stage=1))
         for (entry, a), (_, b) in zip(iter_tensors(index), iter_tensors(read_index(tmp_path / "back")), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{entry.key} differs after the round trip"
         for r in range(spec.world_size):

@@ -18,7 +18,7 @@ from ds_checkpoint_fixtures import (DSCheckpointSpec, deepspeed_checkpoints, loa
 from click.testing import CliRunner
 
 from checkpoint import safe_load
-from checkpoint.api import convert, plan_conversion, read_index
+from checkpoint.api import LayoutRequest, convert, plan_conversion, read_index
 from checkpoint.errors import PlanError
 from checkpoint.manifest import verify_manifest
 from checkpoint.materialize import iter_tensors
@@ -48,7 +48,7 @@ def test_tied_and_frozen_params_convert_and_deepspeed_loads_them(spec, dp, stage
     assert "tied        head.weight is embed.weight" in shown.output
     assert "frozen      2 params without optimizer state (fc1.weight, fc1.bias)" in shown.output
     dst = tmp_path / "converted"
-    convert(src, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
     assert verify_manifest(dst) == []
     model_files = sorted((dst / "global_step3").glob("*model_states.pt"))
     states = [safe_load.load(f) for f in model_files]
@@ -84,11 +84,11 @@ def test_tied_and_frozen_params_convert_and_deepspeed_loads_them(spec, dp, stage
 
 def test_tied_and_frozen_round_trip_through_zero3_is_bit_exact(deepspeed_checkpoints, tmp_path):
     src = deepspeed_checkpoints(Z2)
-    convert(src, tmp_path / "mid", to="deepspeed", dp=4, zero_stage=3)
+    convert(src, tmp_path / "mid", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3))
     mid = read_index(tmp_path / "mid")
     frozen = {e.key.name: e for e in mid.entries if e.key.name in FROZEN}
     assert all(len(e.chunks) == 4 and e.chunks[0].key[0] == "frozen_param_fragments" for e in frozen.values())
-    convert(tmp_path / "mid", tmp_path / "back", to="deepspeed", dp=2, zero_stage=2)
+    convert(tmp_path / "mid", tmp_path / "back", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=2))
     original, back = read_index(src), read_index(tmp_path / "back")
     assert [(e.key, e.shape, e.dtype, e.chunks) for e in back.entries] == [
         (e.key, e.shape, e.dtype, e.chunks) for e in original.entries]
@@ -107,7 +107,7 @@ def test_other_formats_refuse_tied_and_frozen_deepspeed_params_by_name(deepspeed
     src = deepspeed_checkpoints(Z2)
     for fmt, options in (("dcp", {"dp": 2}), ("hf", {}), ("deepspeed_universal", {"dp": 2, "zero_stage": 2})):
         with pytest.raises(PlanError, match=r"ties parameters \(head.weight is embed.weight\)"):
-            convert(src, tmp_path / fmt, to=fmt, **options)
+            convert(src, tmp_path / fmt, to=fmt, target=LayoutRequest(**options))
         assert not (tmp_path / fmt).exists()
     # frozen params alone (the same index without its tie): the writers that need optimizer state refuse them
     untied = dataclasses.replace(read_index(src), meta={**read_index(src).meta, "shared_params": {}})
@@ -115,4 +115,4 @@ def test_other_formats_refuse_tied_and_frozen_deepspeed_params_by_name(deepspeed
                          ("deepspeed_universal", {"dp": 2, "zero_stage": 2})):
         with pytest.raises(PlanError, match=r"holds 2 frozen parameters without optimizer state \(\['fc1.weight', "
                                             r"'fc1.bias'\]\)"):
-            plan_conversion(untied, to=fmt, **options)
+            plan_conversion(untied, to=fmt, target=LayoutRequest(**options))

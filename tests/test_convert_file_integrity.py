@@ -141,8 +141,8 @@ def _save(obj) -> bytes:
 @pytest.mark.slow
 def test_converting_a_deepspeed_checkpoint_does_not_import_deepspeed(deepspeed_checkpoint, tmp_path):
     src = deepspeed_checkpoint(2, 1).path
-    code = ("import sys, json; from checkpoint.api import convert; "
-            f"convert({str(src)!r}, {str(tmp_path / 'out')!r}, to='deepspeed', dp=4, zero_stage=3); "
+    code = ("import sys, json; from checkpoint.api import LayoutRequest, convert; "
+            f"convert({str(src)!r}, {str(tmp_path / 'out')!r}, to='deepspeed', target=LayoutRequest(dp=4, zero_stage=3)); "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

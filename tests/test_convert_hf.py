@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from checkpoint.api import convert, detect_format, read_index
+from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.rules.names import TABLES, rename
 from checkpoint.plan import summarize
@@ -112,7 +112,7 @@ def test_deepspeed_to_hf_and_back_is_bit_exact(deepspeed_checkpoint, tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight" in weights and "lm_head.weight" in weights
     assert len(weights) == len(out.plan.target.index.entries)
     # HF -> DeepSpeed ZeRO-3 at dp 2 (weights only, said so) -> HF: the same tensors
-    back = convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", dp=2, zero_stage=3)
+    back = convert(tmp_path / "hf", tmp_path / "ds", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=3))
     assert "optimizer state: ABSENT in the source" in summarize(back.plan)
     assert not any(str(e.key.kind).startswith("exp_avg") for e in read_index(tmp_path / "ds").entries)
     convert(tmp_path / "ds", tmp_path / "hf2", to="hf")

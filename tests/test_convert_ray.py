@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.verify import compare_indexes
 from migrate.cli import main
@@ -20,8 +20,9 @@ def _files(root):
 
 def test_ray_tasks_write_the_same_files_as_the_local_pool(deepspeed_checkpoint, ray_session, tmp_path):
     src = deepspeed_checkpoint(2, 1).path
-    local = convert(src, tmp_path / "local", to="deepspeed", dp=4, zero_stage=3)
-    ray = convert(src, tmp_path / "ray", to="deepspeed", dp=4, zero_stage=3, map_fn=ray_map(max_in_flight=2))
+    local = convert(src, tmp_path / "local", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3))
+    ray = convert(src, tmp_path / "ray", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3),
+                  map_fn=ray_map(max_in_flight=2))
     assert len(ray.result.files) == len(local.result.files)
     assert sorted(_files(tmp_path / "ray")) == sorted(_files(tmp_path / "local"))
     # torch.save embeds a per-process serialization id, so compare contents, not bytes
@@ -40,10 +41,10 @@ def test_a_failing_ray_task_fails_the_conversion_and_leaves_nothing(deepspeed_ch
     index = read_index(copy)
     optim = next(copy / f for f in index.files if "optim_states" in f)
     optim.write_bytes(optim.read_bytes()[:-100])  # truncated after indexing: the task reading it fails
-    from checkpoint.api import plan_conversion
+    from checkpoint.api import LayoutRequest, plan_conversion
     from checkpoint.execute import execute
 
-    plan, writer = plan_conversion(index, to="deepspeed", dp=2, zero_stage=2)
+    plan, writer = plan_conversion(index, to="deepspeed", target=LayoutRequest(dp=2, zero_stage=2))
     with pytest.raises(CheckpointFormatError):
         execute(plan, writer, tmp_path / "out", map_fn=ray_map())
     assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ from ds_checkpoint_fixtures import (DSCheckpointSpec, deepspeed_checkpoints, loa
                                     universal_reference)
 
 from checkpoint import safe_load
-from checkpoint.api import convert, detect_format, read_index
+from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.errors import PlanError
 from checkpoint.manifest import verify_manifest
 from checkpoint.formats.universal import LATEST
@@ -50,7 +50,7 @@ def test_deepspeed_to_universal_equals_ds_to_universal(spec, deepspeed_checkpoin
     ref = universal_reference(src, tmp_path / "ref" / "global_step3_universal")
     for stage in (1, 3):
         dst = tmp_path / f"uni_z{stage}"
-        convert(src, dst, to="deepspeed_universal", zero_stage=stage)
+        convert(src, dst, to="deepspeed_universal", target=LayoutRequest(zero_stage=stage))
         assert verify_manifest(dst) == []
         assert detect_format(dst) == "deepspeed-universal"
         _assert_same(_our_universal(dst), ref, f"{spec.name} -> universal (z{stage} names)")
@@ -77,7 +77,7 @@ def test_deepspeed_loads_our_universal_at_another_dp_and_continues(spec, written
                                                                   tmp_path):
     src = deepspeed_checkpoints(spec)
     dst = tmp_path / "universal"
-    convert(src, dst, to="deepspeed_universal", zero_stage=written)
+    convert(src, dst, to="deepspeed_universal", target=LayoutRequest(zero_stage=written))
     ref = universal_reference(src, tmp_path / "ref" / "global_step3_universal")
     loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype=spec.dtype, work=tmp_path / "load", universal=True)
     _assert_same(loaded.params, ref, f"{spec.name} -> universal -> DeepSpeed z{stage} dp{dp}")
@@ -98,7 +98,7 @@ def test_universal_to_deepspeed_loads_in_deepspeeds_engine(dp, stage, deepspeed_
     theirs = tmp_path / "ref" / "global_step3_universal"  # DeepSpeed's own universal output is the source
     ref = universal_reference(src, theirs)
     dst = tmp_path / "ds"
-    convert(theirs, dst, to="deepspeed", dp=dp, zero_stage=stage)
+    convert(theirs, dst, to="deepspeed", target=LayoutRequest(dp=dp, zero_stage=stage))
     assert verify_manifest(dst) == []
     loaded = load_and_probe(dst, world_size=dp, stage=stage, dtype=spec.dtype, work=tmp_path / "load")
     _assert_same(loaded.params, ref, f"universal -> DeepSpeed z{stage} dp{dp}")

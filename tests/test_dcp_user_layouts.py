@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from migrate.workload.fixtures import TINY_LLAMA
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_users_dcp_layout_loads_into_fsdp2_at_another_world_size(user_dcp, tmp_p
     index = read_index(src)
     assert {e.key.name for e in index.entries} == {n for n, _ in truth}
     dst = tmp_path / "dcp"
-    convert(src, dst, to="dcp", dp=3)
+    convert(src, dst, to="dcp", target=LayoutRequest(dp=3))
     loaded, steps = dcp_loaded(ODD, dst, dp=3, precision="fp32")
     assert steps == [float(STEPS)]
     unequal = [k for k, t in loaded.items() if not torch.equal(truth[k], t)]
@@ -138,7 +138,7 @@ def test_tutorial_layout_loads_into_deepspeed(user_dcp, tmp_path):
 
     src, truth = user_dcp("tutorial")
     dst = tmp_path / "ds"
-    convert(src, dst, to="deepspeed", dp=2, zero_stage=2)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=2, zero_stage=2))
     loaded, steps = deepspeed_loaded(ODD, dst, dp=2, zero_stage=2, precision="fp32")
     assert steps == [float(STEPS)]
     want = {k: truth[(k[0], "fp32_master")] if k[1] == "param" else truth[k] for k in loaded}
@@ -155,7 +155,7 @@ def test_dcp_layout_torchtitan_is_what_torchtitans_reload_takes(user_dcp, tmp_pa
 
     src, truth = user_dcp(layout)
     dst = tmp_path / "checkpoint" / f"step-{STEPS}"
-    convert(src, dst, to="dcp", dp=3, dcp_layout="torchtitan")
+    convert(src, dst, to="dcp", target=LayoutRequest(dp=3), dcp_layout="torchtitan")
     index = read_index(dst)
     assert index.meta["dcp_layout"] == "model at (top level); optimizer at optimizer (flattened)"
     assert index.meta["train_state"]["optimizer_param_groups"][0]["weight_decay"] == 0.1
@@ -179,12 +179,12 @@ def test_torchtitan_dataloader_is_carried_at_its_dp_and_left_out_with_the_reason
     dcp_to_torch_save(src, tmp_path / "src.pt")
     with torch.serialization.safe_globals([io.BytesIO]):
         want = torch.load(tmp_path / "src.pt", weights_only=True)["dataloader"]
-    same = convert(src, tmp_path / "same", to="dcp", dp=WORLD, dcp_layout="torchtitan")
+    same = convert(src, tmp_path / "same", to="dcp", target=LayoutRequest(dp=WORLD), dcp_layout="torchtitan")
     dcp_to_torch_save(tmp_path / "same", tmp_path / "same.pt")
     with torch.serialization.safe_globals([io.BytesIO]):
         got = torch.load(tmp_path / "same.pt", weights_only=True)
     assert got["dataloader"] == want and "exclude_from_loading" not in summarize(same.plan)
-    other = convert(src, tmp_path / "other", to="dcp", dp=3, dcp_layout="torchtitan")
+    other = convert(src, tmp_path / "other", to="dcp", target=LayoutRequest(dp=3), dcp_layout="torchtitan")
     dcp_to_torch_save(tmp_path / "other", tmp_path / "other.pt")
     with torch.serialization.safe_globals([io.BytesIO]):
         got = torch.load(tmp_path / "other.pt", weights_only=True)

@@ -17,7 +17,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.index import CheckpointIndex, Kind
 from checkpoint.materialize import iter_tensors
@@ -95,7 +95,7 @@ def test_frameworks_convert_to_megatron_and_megatron_resumes(deepspeed_checkpoin
     source = read_index(load)
     for tp, pp in ((2, 1), (1, 2)):
         dst = tmp_path / f"tp{tp}pp{pp}" / "iter_0000002"
-        outcome = convert(load, dst, to="megatron", tp=tp, pp=pp, dp=1)
+        outcome = convert(load, dst, to="megatron", target=LayoutRequest(dp=1, tp=tp, pp=pp))
         back = read_index(dst)
         assert (back.meta["tp"], back.meta["pp"], ArchSpec.from_dict(back.meta["arch"])) == (tp, pp, TINY_ARCH)
         assert compare_indexes(outcome.plan.source, back) == [], (kind, tp, pp)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 from checkpoint.state.faults import inject_fault
 from convergence.gate import evaluate
 from convergence.readers import read_metrics
@@ -55,7 +55,7 @@ def migration(tmp_path_factory, workload_extensions_dir):
     baselines = [_train(tmp, "baseline", world_size=2, zero_stage=1, load_dir=None),
                  _train(tmp, "repeat", world_size=1, zero_stage=1, load_dir=None)]
     converted = tmp / "converted"
-    convert(tmp / "baseline_ckpt" / f"global_step{SAVED_AT}", converted, to="deepspeed", dp=1, zero_stage=2)
+    convert(tmp / "baseline_ckpt" / f"global_step{SAVED_AT}", converted, to="deepspeed", target=LayoutRequest(dp=1, zero_stage=2))
     return baselines, converted, tmp
 
 

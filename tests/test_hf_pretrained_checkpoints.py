@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import PlanError
 
 VOCAB = 96
@@ -72,7 +72,7 @@ def test_llama_through_deepspeed_and_back_keeps_config_and_logits(tmp_path):
 
     src = tmp_path / "src"
     model = _save_pretrained("llama", src)
-    convert(src, tmp_path / "ds", to="deepspeed", dp=2, zero_stage=3)
+    convert(src, tmp_path / "ds", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=3))
     convert(tmp_path / "ds", tmp_path / "hf", to="hf", max_shard_size="30KB")
     out = tmp_path / "hf"
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -137,7 +137,7 @@ def test_hf_model_becomes_a_megatron_pretrained_start_with_the_same_logits(tmp_p
     model = transformers.LlamaForCausalLM(config).eval()
     src, dst = tmp_path / "hf", tmp_path / "megatron"
     model.save_pretrained(src, max_shard_size="100KB")
-    outcome = convert(src, dst, to="megatron", tp=2, dp=2)
+    outcome = convert(src, dst, to="megatron", target=LayoutRequest(dp=2, tp=2))
     assert "pretrained start" in summarize(outcome.plan) and "--finetune" in summarize(outcome.plan)
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "0"
     run = MegatronLMRun(tp=2, dp=2, model=dataclasses.replace(LLAMA, make_vocab_size_divisible_by=128))

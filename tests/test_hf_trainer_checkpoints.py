@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.plan import summarize
 from tests.hf_trainer_fixtures import CONFIG, SEQ, VOCAB, TrainerRun, save_trainer_checkpoint, trainer_resume
 
@@ -61,7 +61,7 @@ def test_trainer_resumes_the_conversion_at_another_world_size(trainer_checkpoint
     step 3, the scheduler's position, and trains on."""
     src, reference = trainer_checkpoint(run)
     dst = tmp_path / "checkpoint-3"
-    outcome = convert(src, dst, to="deepspeed", dp=3, **({} if stage == run.zero_stage else {"zero_stage": stage}))
+    outcome = convert(src, dst, to="deepspeed", target=LayoutRequest(dp=3, zero_stage=None if stage == run.zero_stage else stage))
     names = sorted(p.name for p in dst.iterdir())
     for f in ("config.json", "generation_config.json", "trainer_state.json", "latest", "global_step3",
               "rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"):
@@ -166,7 +166,7 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path,
 
     src, reference = trainer_checkpoint(run)
     dst = tmp_path / "megatron"
-    outcome = convert(src, dst, to="megatron", tp=2)
+    outcome = convert(src, dst, to="megatron", target=LayoutRequest(tp=2))
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "3"
     plan = summarize(outcome.plan)
     assert "parameter names: hf -> canonical" in plan and "--override-opt_param-scheduler" in plan
@@ -203,7 +203,7 @@ def test_dcp_load_into_fsdp2_transformers_model_restores_the_trainers_state(trai
 
     src, reference = trainer_checkpoint(RUNS[0])
     dst = tmp_path / "dcp"
-    convert(src, dst, to="dcp", dp=3)
+    convert(src, dst, to="dcp", target=LayoutRequest(dp=3))
     loaded, steps = dcp_loaded({"hf_config": CONFIG}, dst, dp=3, precision="fp32")
     assert steps == [3.0]
     assert not _unequal(reference["state"], loaded)
@@ -225,7 +225,7 @@ def test_inspect_and_plan_name_the_trainer_state(trainer_checkpoint, tmp_path):
     shown = CliRunner().invoke(cli, ["inspect", str(src)])
     assert shown.exit_code == 0 and "hf trainer  global_step 3, config.json model_type llama, 2 RNG file(s)" in \
         shown.output
-    outcome = convert(src, tmp_path / "dry", to="deepspeed", dp=4, dry_run=True)
+    outcome = convert(src, tmp_path / "dry", to="deepspeed", target=LayoutRequest(dp=4), dry_run=True)
     assert "rng" in summarize(outcome.plan).lower()
     assert not (tmp_path / "dry").exists()
 
@@ -252,5 +252,5 @@ def test_bad_trainer_files_are_one_line_naming_the_file(trainer_checkpoint, tmp_
 
     torch.save({"python": Payload()}, bad / "rng_state_1.pth", pickle_module=pickle)
     with pytest.raises(CheckpointError, match=r"rng_state_1.pth"):
-        convert(bad, tmp_path / "out2", to="deepspeed", dp=3)
+        convert(bad, tmp_path / "out2", to="deepspeed", target=LayoutRequest(dp=3))
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()

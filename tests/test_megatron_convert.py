@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from checkpoint.api import convert, detect_format, read_index
+from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.index import Kind, TensorKey
 from checkpoint.materialize import iter_tensors
 from checkpoint.verify import compare_indexes
@@ -87,7 +87,7 @@ def test_convert_loads_in_megatron_at_other_layouts(megatron_checkpoint, source_
     want = source_losses(src)
     tp, pp, dp, ep = dst
     target = tmp_path / _name(dst)  # a save dir: iter_0000002/ and Megatron-LM's tracker beside it
-    outcome = convert(ck.path, target, to="megatron", tp=tp, pp=pp, dp=dp, ep=ep)
+    outcome = convert(ck.path, target, to="megatron", target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep))
     written = {f.path for f in outcome.result.files}
     assert len([p for p in written if p.endswith(".distcp")]) == tp * pp * dp  # one .distcp per target rank
     assert {"iter_0000002/.metadata", "iter_0000002/common.pt", "iter_0000002/metadata.json",
@@ -107,7 +107,7 @@ def test_convert_loads_in_megatron_at_other_layouts(megatron_checkpoint, source_
 def test_dry_run_plans_from_metadata(megatron_checkpoint, tmp_path):
     ck = megatron_checkpoint(2, 1, 1, global_batch_size=GBS)
     start = time.perf_counter()
-    outcome = convert(ck.path, tmp_path / "dst", to="megatron", tp=1, dry_run=True)
+    outcome = convert(ck.path, tmp_path / "dst", to="megatron", target=LayoutRequest(tp=1), dry_run=True)
     assert outcome.result is None and time.perf_counter() - start < 5
     assert {e.key.kind for e in outcome.plan.target.index.entries} == {Kind.PARAM, Kind.MASTER, Kind.EXP_AVG,
                                                                         Kind.EXP_AVG_SQ}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from checkpoint.api import convert, detect_format, read_index
+from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.megatron_paths import RANK_DIR_RE, rank_dir
 from checkpoint.index import Kind, TensorKey
@@ -140,7 +140,7 @@ def test_convert_legacy_and_resume_at_target_layout(megatron_legacy_checkpoint, 
     ck = megatron_legacy_checkpoint(*src[:3], distributed_optimizer=src[3])
     fmt, tp, pp, dp = dst
     target = tmp_path / "iter_0000002"
-    outcome = convert(ck.path, target, to=fmt, tp=tp, pp=pp, dp=dp)
+    outcome = convert(ck.path, target, to=fmt, target=LayoutRequest(dp=dp, tp=tp, pp=pp))
     back = read_index(target)
     assert back.format == fmt and (back.meta["tp"], back.meta["pp"], back.meta["dp"]) == (tp, pp, dp)
     assert _same_state(outcome.plan.source, back) == []  # weights, fp32 master, exp_avg, exp_avg_sq
@@ -154,10 +154,10 @@ def test_torch_dist_to_legacy_and_back(megatron_checkpoint, megatron_legacy_chec
     dist_ck = megatron_checkpoint(2, 1, 1, global_batch_size=GBS)
     want = megatron_legacy_checkpoint(2, 1, 1).losses[2:]  # same seed, data and layout: the reference steps 3-4
     legacy = tmp_path / "legacy" / "iter_0000002"
-    outcome = convert(dist_ck.path, legacy, to="megatron-legacy", tp=1, pp=2, dp=1)
+    outcome = convert(dist_ck.path, legacy, to="megatron-legacy", target=LayoutRequest(dp=1, tp=1, pp=2))
     assert _same_state(outcome.plan.source, read_index(legacy)) == []
     again = tmp_path / "dist" / "iter_0000002"
-    back = convert(legacy, again, to="megatron", tp=2, pp=1, dp=1)
+    back = convert(legacy, again, to="megatron", target=LayoutRequest(dp=1, tp=2, pp=1))
     assert _same_state(outcome.plan.source, read_index(again)) == []
     assert back.plan.source.format == "megatron-legacy"
     _close(_resume(dist_ck, legacy, 1, 2, 1), want)
@@ -211,7 +211,7 @@ def test_moe_expert_parallel_legacy_resumes_and_converts(megatron_legacy_checkpo
     spec = dataclasses.replace(ck.spec, load_dir=str(ck.path), save_dir=None)
     assert launch(spec, 2)[0].losses == ck.losses[2:]
     target = tmp_path / "iter_0000002"
-    outcome = convert(ck.path, target, to="megatron-legacy", ep=1, dp=1)
+    outcome = convert(ck.path, target, to="megatron-legacy", target=LayoutRequest(dp=1, ep=1))
     assert _same_state(outcome.plan.source, read_index(target)) == []
     _close(launch(dataclasses.replace(spec, ep=1, load_dir=str(target)), 1)[0].losses, ck.losses[2:])
 
@@ -234,10 +234,10 @@ def test_virtual_pipeline_legacy_round_trip(tmp_path):
     index = read_index(source)
     assert index.meta["vpp"] == 2
     flat = tmp_path / "pp2" / "iter_0000002"
-    convert(source, flat, to="megatron-legacy", vpp=1)  # pp kept (2), virtual stages dropped
+    convert(source, flat, to="megatron-legacy", target=LayoutRequest(vpp=1))  # pp kept (2), virtual stages dropped
     assert read_index(flat).meta["vpp"] == 1 and _same_state(index, read_index(flat)) == []
     back = tmp_path / "vpp2" / "iter_0000002"
-    convert(flat, back, to="megatron-legacy", vpp=2)
+    convert(flat, back, to="megatron-legacy", target=LayoutRequest(vpp=2))
     again = read_index(back)
     assert again.meta["vpp"] == 2 and _same_state(index, again) == []
     _close(launch(dataclasses.replace(resume, load_dir=str(back)), 2)[0].losses, want)
@@ -254,7 +254,7 @@ def test_bf16_legacy_keys_each_grad_buffer_by_its_param_dtype(megatron_legacy_ch
     source = read_index(ck.path)
     assert {e.dtype for e in source.entries if e.key.kind is Kind.PARAM and "norm" in e.key.name} == {"float32"}
     target = tmp_path / "legacy"
-    outcome = convert(ck.path, target, to="megatron-legacy", tp=1, pp=2, dp=1)
+    outcome = convert(ck.path, target, to="megatron-legacy", target=LayoutRequest(dp=1, tp=1, pp=2))
     assert _same_state(outcome.plan.source, read_index(target)) == []
     planned = {e.key.name: e.dtype for e in outcome.plan.target.index.entries if e.key.kind is Kind.PARAM}
     assert planned["norm.weight"] == "float32" and planned["embed_tokens.weight"] == "bfloat16"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointError, PlanError
 from checkpoint.index import Kind
 from checkpoint.materialize import iter_tensors
@@ -95,7 +95,7 @@ def test_megatron_lm_loads_the_conversion_with_every_state_equal(megatron_lm_che
     run, (tp, pp, dp, ep), to = case
     src, saved = megatron_lm_checkpoint(run)
     dst = tmp_path / "converted"
-    convert(src, dst, to=to, tp=tp, pp=pp, dp=dp, ep=ep)
+    convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep))
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == str(run.steps)
     legacy = to == "megatron-legacy"
     target = MegatronLMRun(tp=tp, pp=pp, dp=dp, ep=ep, moe=run.moe, precision=run.precision, steps=run.steps,
@@ -132,7 +132,7 @@ def test_several_grad_buckets_are_read_and_loaded_by_megatron_lm(megatron_lm_che
     truth = plain_state(src / "iter_0000002")
     assert torch.equal(ours[("embed_tokens.weight", Kind.PARAM)], truth["embedding.word_embeddings.weight"])
     dst = tmp_path / "converted"
-    convert(src, dst, to="megatron", tp=1, dp=2)
+    convert(src, dst, to="megatron", target=LayoutRequest(dp=2, tp=1))
     loaded = load_megatron_lm(MegatronLMRun(tp=1, dp=2), dst, tmp_path / "loaded")
     assert all(r["rng_loaded"] for r in loaded) and loaded[0]["adam_steps"] == [2.0]
     got = plain_state(tmp_path / "loaded")
@@ -150,7 +150,7 @@ def test_plain_optimizer_becomes_a_distributed_one_megatron_lm_loads(megatron_lm
     `common_step`; the conversion is a distributed-optimizer checkpoint (fp32 main params = the fp32 weights)."""
     src, _ = megatron_lm_checkpoint(PLAIN)
     dst = tmp_path / "converted"
-    convert(src, dst, to="megatron", tp=2, dp=1)
+    convert(src, dst, to="megatron", target=LayoutRequest(dp=1, tp=2))
     loaded = load_megatron_lm(MegatronLMRun(tp=2), dst, tmp_path / "loaded")
     assert all(r["adam_steps"] == [2.0] and r["rng_loaded"] for r in loaded)
     truth, got = source_truth(PLAIN), plain_state(tmp_path / "loaded")
@@ -189,7 +189,7 @@ def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint,
 def test_unknown_unpadded_vocab_refuses_a_tp_that_pads_differently(megatron_lm_checkpoint, tmp_path):
     src, _ = megatron_lm_checkpoint(DP2)
     with pytest.raises(PlanError, match=r"padded_vocab_size=128 but not the unpadded vocab size; at tp=4"):
-        convert(src, tmp_path / "tp4", to="megatron", tp=4, dp=1)
+        convert(src, tmp_path / "tp4", to="megatron", target=LayoutRequest(dp=1, tp=4))
     assert not (tmp_path / "tp4").exists()
 
 
@@ -254,7 +254,7 @@ def test_deepspeed_and_dcp_load_the_conversion_with_every_state_equal(megatron_l
 
     src, _ = megatron_lm_checkpoint(run)
     dst = tmp_path / to
-    convert(src, dst, to=to, **options)
+    convert(src, dst, to=to, target=LayoutRequest(**options))
     truth = {(e.key.name, str(e.key.kind)): t for e, t in iter_tensors(read_index(src))}
     model = run.spec().model
     if to == "deepspeed":
@@ -347,7 +347,7 @@ def test_megatron_lm_to_an_hf_trainer_checkpoint_that_trainer_resumes(megatron_l
 
     src, _ = megatron_lm_checkpoint(run)
     dst = tmp_path / f"checkpoint-{run.steps}"
-    outcome = convert(src, dst, to="deepspeed", dp=2, zero_stage=3, param_names="hf")
+    outcome = convert(src, dst, to="deepspeed", target=LayoutRequest(dp=2, zero_stage=3), param_names="hf")
     assert "parameter names: canonical -> hf" in summarize(outcome.plan)
     config = (dst / "config.json").read_text()
     assert json.loads(config)["model_type"] == "llama"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.api import plan_conversion, read_index
+from checkpoint.api import LayoutRequest, plan_conversion, read_index
 from checkpoint.formats.megatron import FORMAT
 from checkpoint.formats.megatron_synth import plan_figures, synthesize_metadata, synthetic_index
 from checkpoint.index import Kind
@@ -38,7 +38,7 @@ def test_70b_plan_from_metadata_only(monkeypatch):
     monkeypatch.setattr("builtins.open", spy)
     cpu, wall = time.process_time(), time.perf_counter()
     index = synthetic_index(LLAMA_70B, ParallelLayout(tp=8, pp=8, dp=16, sharding=DIST_OPT))
-    plan, _ = plan_conversion(index, to="megatron", tp=4, pp=8, dp=16)
+    plan, _ = plan_conversion(index, to="megatron", target=LayoutRequest(dp=16, tp=4, pp=8))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     monkeypatch.undo()
     assert cpu < 5, f"planning took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
@@ -104,7 +104,7 @@ def test_virtual_pipeline_and_expert_layouts_plan_from_metadata(src, dst):
     assert got == (src.tp, src.pp, src.vpp, src.ep, src.dp)
     names = {e.key.name for e in index.entries}
     assert names == {n for n, _ in canonical_tensors(arch)}
-    plan, _ = plan_conversion(index, to="megatron", tp=dst.tp, pp=dst.pp, dp=dst.dp, ep=dst.ep)
+    plan, _ = plan_conversion(index, to="megatron", target=LayoutRequest(dp=dst.dp, tp=dst.tp, pp=dst.pp, ep=dst.ep))
     fig = plan_figures(plan)
     assert fig.bytes_read == index.nbytes
     assert fig.target_files == dst.world_size

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 from checkpoint.state.data_position import DataPositionError
 from checkpoint.state.faults import inject_fault
 from checkpoint.state.training_state import STATE_REPORT_FILE
@@ -52,7 +52,7 @@ def sources(megatron_checkpoint):
 def _resume(sources, tmp_path, src, dst, fault=None):
     path, baseline = sources(src)
     out = tmp_path / "converted"
-    convert(path, out, to="megatron", tp=dst[0], pp=dst[1], dp=dst[2])
+    convert(path, out, to="megatron", target=LayoutRequest(dp=dst[2], tp=dst[0], pp=dst[1]))
     if fault:
         inject_fault(out, fault)
     report = json.loads((out / STATE_REPORT_FILE).read_text())
@@ -114,4 +114,4 @@ def test_inconsistent_per_rank_data_position_is_refused(sources, tmp_path):
     common["migrate"]["data"]["consumed_samples_per_rank"] = [SAVED_AT * GBS, (SAVED_AT + 1) * GBS]
     torch.save(common, broken / "common.pt")
     with pytest.raises(DataPositionError, match=r"ranks \[0\] at 36; ranks \[1\] at 48"):
-        convert(broken, tmp_path / "out", to="megatron", dp=4)
+        convert(broken, tmp_path / "out", to="megatron", target=LayoutRequest(dp=4))

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.index import Kind, TensorKey
 from checkpoint.materialize import iter_tensors
 from checkpoint.verify import compare_indexes
@@ -58,7 +58,7 @@ def test_reader_gives_one_embedding(tied_checkpoint):
 def test_tied_converts_and_megatron_resumes(tied_checkpoint, tmp_path, tp, pp, dp):
     path, spec, want = tied_checkpoint
     dst = tmp_path / "iter_0000002"
-    outcome = convert(path, dst, to="megatron", tp=tp, pp=pp, dp=dp)
+    outcome = convert(path, dst, to="megatron", target=LayoutRequest(dp=dp, tp=tp, pp=pp))
     back = read_index(dst)
     assert compare_indexes(outcome.plan.source, back) == []
     assert "lm_head.weight" not in {e.key.name for e in back.entries}

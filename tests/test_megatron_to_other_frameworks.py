@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.formats.adam_step import split_derived_steps
 from checkpoint.copy_items import copy_item
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey
@@ -80,7 +80,7 @@ def test_megatron_converts_to_deepspeed_and_dcp_bit_exact(megatron_checkpoint, t
     ck = megatron_checkpoint(tp, pp, dp, ep=ep, moe=moe, global_batch_size=GBS)
     for fmt, kw in TARGETS:
         dst = tmp_path / f"{fmt}_{'_'.join(f'{k}{v}' for k, v in kw.items())}"
-        outcome = convert(ck.path, dst, to=fmt, **kw)
+        outcome = convert(ck.path, dst, to=fmt, target=LayoutRequest(**kw))
         written = read_index(dst)
         back, step_problems = split_derived_steps(outcome.plan.source, written)
         assert step_problems == [], (fmt, kw)  # Megatron's group step, per parameter as torch Adam keeps it
@@ -98,7 +98,7 @@ def test_frameworks_resume_from_converted_megatron(megatron_checkpoint, workload
                                                    fmt, kw):
     ck = megatron_checkpoint(2, 1, 1, global_batch_size=GBS)
     dst = tmp_path / fmt / ("step-2" if fmt == "dcp" else "")
-    convert(ck.path, dst, to=fmt, **kw)
+    convert(ck.path, dst, to=fmt, target=LayoutRequest(**kw))
     spec = RunSpec(engine=engine, model=ck.spec.model, train=ck.spec.train, steps=4, zero_stage=kw.get("zero_stage", 0),
                    load_dir=str(dst))
     losses = launch(spec, kw["dp"])[0].losses

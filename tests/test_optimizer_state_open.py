@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import PlanError
 from checkpoint.index import Kind
 
@@ -177,7 +177,7 @@ def test_fsdp2_optimizer_state_reshards_2_to_3_ranks_and_dcp_loads_it_equal(save
     kinds = {str(e.key.kind) for e in index.entries} - {"param"}
     assert kinds == set(STATE[optimizer]), kinds
     dst = tmp_path / "dcp3"
-    convert(src, dst, to="dcp", dp=3)
+    convert(src, dst, to="dcp", target=LayoutRequest(dp=3))
     loaded, loaded_groups = fsdp_run(optimizer, dst, world=3, save=False)
     assert not _unequal(truth, loaded), f"DCP's load at 3 ranks differs from the {optimizer} run"
     assert loaded_groups == groups
@@ -190,7 +190,7 @@ def test_deepspeed_client_optimizer_state_reshards_2_to_3_ranks_and_deepspeed_lo
     index = read_index(src)
     assert {str(e.key.kind) for e in index.entries} - {"param", "fp32_master"} == set(STATE[optimizer])
     dst = tmp_path / "ds3"
-    convert(src, dst, to="deepspeed", dp=3, zero_stage=2)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=3, zero_stage=2))
     loaded, loaded_groups, loaded_steps = deepspeed_run(optimizer, dst, world=3, save=False)
     assert not _unequal(truth, loaded), f"DeepSpeed's load at 3 ranks differs from the {optimizer} run"
     assert loaded_groups == groups and loaded_steps == steps == ([float(STEPS)] if "step" in STATE[optimizer] else [])
@@ -200,13 +200,13 @@ def test_sgd_momentum_crosses_from_fsdp2_to_deepspeed_and_back(saved, tmp_path):
     """FSDP2's SGD state into DeepSpeed's ZeRO-2 flat partitions at 3 ranks, and DeepSpeed's back into DCP at 1."""
     src, (truth, _) = saved("fsdp", "sgd")
     ds = tmp_path / "ds"
-    convert(src, ds, to="deepspeed", dp=3, zero_stage=2)
+    convert(src, ds, to="deepspeed", target=LayoutRequest(dp=3, zero_stage=2))
     loaded, groups, _ = deepspeed_run("sgd", ds, world=3, save=False)
     assert not _unequal(truth, loaded), "DeepSpeed's load of FSDP2's SGD state differs from the run"
     assert groups[0]["momentum"] == 0.9 and groups[0]["nesterov"] is True
     ds_src, (ds_truth, _, _) = saved("deepspeed", "sgd")
     back = tmp_path / "dcp1"
-    convert(ds_src, back, to="dcp", dp=1)
+    convert(ds_src, back, to="dcp", target=LayoutRequest(dp=1))
     loaded, groups = fsdp_run("sgd", back, world=1, save=False)
     assert not _unequal(ds_truth, loaded), "DCP's load of DeepSpeed's SGD state differs from the run"
 
@@ -216,7 +216,7 @@ def test_targets_with_adam_slots_refuse_other_state_by_name(saved, tmp_path, to)
     src, _ = saved("fsdp", "sgd")
     dst = tmp_path / "out"
     with pytest.raises(PlanError, match=r"momentum_buffer on 2 parameter\(s\), e\.g\. 0\.weight has no place there"):
-        convert(src, dst, to=to, dp=1, zero_stage=2) if to != "megatron" else convert(src, dst, to=to)
+        convert(src, dst, to=to, target=LayoutRequest(dp=1, zero_stage=2)) if to != "megatron" else convert(src, dst, to=to)
     assert not dst.exists()
     cli = subprocess.run([sys.executable, "-m", "migrate", "convert", str(src), str(tmp_path / "cli"), "--to", to],
                          capture_output=True, text=True)
@@ -269,13 +269,13 @@ def test_factored_state_is_carried_whole_and_refused_by_name_where_parameters_ar
     kinds = {str(e.key.kind) for e in index.entries if e.key.kind is not Kind.PARAM}
     assert {"row_var", "col_var", "step"} <= kinds
     whole = tmp_path / "whole"
-    convert(src, whole, to="dcp", dp=1)
+    convert(src, whole, to="dcp", target=LayoutRequest(dp=1))
     assert not _unequal(truth, _adafactor_load(whole)), "DCP's load of the carried Adafactor state differs"
     for to, opts, why in (("dcp", {"dp": 2}, "FSDP2 shards each parameter along dim 0 over 2 ranks"),
                           ("deepspeed", {"dp": 1, "zero_stage": 2}, "ZeRO-2 flattens every parameter's state")):
         dst = tmp_path / f"{to}_split"
         with pytest.raises(PlanError) as err:
-            convert(src, dst, to=to, **opts)
+            convert(src, dst, to=to, target=LayoutRequest(**opts))
         message = str(err.value)
         assert "row_var" in message and why in message and "not its parameter's" in message, message
         assert not dst.exists()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 from checkpoint.state.faults import inject_fault
 from checkpoint.state.training_state import STATE_REPORT_FILE
 from migrate.stages.resume import Continuation, compare_continuations, rng_decisions
@@ -43,7 +43,7 @@ def sources(tmp_path_factory, workload_extensions_dir):
 def _resume(sources, tmp_path, src_dp, dst_dp, fault=None):
     src, baseline = sources(src_dp)
     dst = tmp_path / "converted"
-    convert(src, dst, to="deepspeed", dp=dst_dp, zero_stage=1)
+    convert(src, dst, to="deepspeed", target=LayoutRequest(dp=dst_dp, zero_stage=1))
     if fault:
         inject_fault(dst, fault)
     report = json.loads((dst / STATE_REPORT_FILE).read_text())

@@ -119,7 +119,7 @@ def test_flat_runs_cover_each_element_once(lengths, data):
 def test_tied_embeddings_are_one_canonical_tensor():
     """Tied input/output embeddings: the canonical model has no lm_head; at PP 2 the last stage's copy sits
     in its optimizer bucket (and is skipped: its state is the embedding's), at PP 1 it does not exist."""
-    from checkpoint.api import plan_conversion
+    from checkpoint.api import LayoutRequest, plan_conversion
     from checkpoint.formats.megatron import bucket_layouts, domain_params, separate_bucket_keys
     from checkpoint.formats.megatron_synth import synthetic_index
     from checkpoint.index import Kind
@@ -147,5 +147,5 @@ def test_tied_embeddings_are_one_canonical_tensor():
         index = synthetic_index(tied, layout)
         masters = {e.key.name for e in index.entries if e.key.kind is Kind.MASTER}
         assert masters == names, sorted(masters ^ names)
-        plan, _ = plan_conversion(index, to="megatron", tp=2, pp=1, dp=1)
+        plan, _ = plan_conversion(index, to="megatron", target=LayoutRequest(dp=1, tp=2, pp=1))
         assert {e.key.name for e in plan.target.index.entries} == names

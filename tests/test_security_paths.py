@@ -160,10 +160,10 @@ def test_destination_inside_the_source_or_around_it_is_refused(ds_copy, tmp_path
 
 
 def test_manifest_entries_outside_the_output_are_reported(ds_copy, tmp_path):
-    from checkpoint.api import convert
+    from checkpoint.api import LayoutRequest, convert
 
     out = tmp_path / "out"
-    convert(ds_copy, out, to="deepspeed", dp=1)
+    convert(ds_copy, out, to="deepspeed", target=LayoutRequest(dp=1))
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["files"]["../ds/latest"] = {"bytes": 1, "crc32": "00000000"}
     (out / "manifest.json").write_text(json.dumps(manifest))

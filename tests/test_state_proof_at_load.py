@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.api import convert
+from checkpoint.api import LayoutRequest, convert
 from checkpoint.state.faults import inject_fault
 from checkpoint.state.training_state import STATE_REPORT_FILE
 from migrate.stages.resume import Continuation, compare_continuations, rng_absent, rng_decisions
@@ -70,7 +70,9 @@ def prepared(tmp_path_factory, deepspeed_checkpoint, megatron_checkpoint, megatr
             baseline = Continuation.from_results(
                 "source", launch(_spec(case.engine, case.src_spec, case.source, case.start + 1), case.src_world))
             converted = tmp_path_factory.mktemp(f"proof_{name}") / "converted"
-            convert(case.source, converted, **case.convert_to)
+            to = case.convert_to["to"]
+            convert(case.source, converted, to=to,
+                    target=LayoutRequest(**{k: v for k, v in case.convert_to.items() if k != "to"}))
             cache[name] = (case, baseline, converted)
         return cache[name]
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from checkpoint.api import convert, read_index
+from checkpoint.api import LayoutRequest, convert, read_index
 from migrate.workload.fixtures import TINY_LLAMA, launch
 from migrate.workload.model_spec import RunSpec, TrainSpec
 
@@ -20,7 +20,7 @@ def test_vpp2_checkpoint_resumes_at_pp2_with_the_losses_of_its_own_run(tmp_path)
                    save_dir=str(tmp_path / "vpp2"), train=TrainSpec(global_batch_size=12, precision="fp32"))
     own = launch(spec, 2)[0].losses  # steps 1-3 of the vPP2 run; it saved iter_0000002
     flat = tmp_path / "pp2"
-    convert(tmp_path / "vpp2" / "iter_0000002", flat, to="megatron", vpp=1)
+    convert(tmp_path / "vpp2" / "iter_0000002", flat, to="megatron", target=LayoutRequest(vpp=1))
     assert read_index(flat).meta["vpp"] == 1
     resumed = launch(dataclasses.replace(spec, vpp=1, load_dir=str(flat), save_dir=None, save_every=0), 2)[0].losses
     assert resumed[0] == pytest.approx(own[2], rel=1e-6), (resumed, own)

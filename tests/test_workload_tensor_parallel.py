@@ -53,7 +53,7 @@ def test_layouts_tp_cannot_split_are_refused_with_the_numbers():
 
 @pytest.mark.slow
 def test_tp2_matches_tp1_writes_dcp_that_inspect_reads_and_resumes_bit_identically(tmp_path):
-    from checkpoint.api import read_index
+    from checkpoint.api import LayoutRequest, read_index
     from checkpoint.errors import LayoutMismatchError
     from migrate.commands.inspect import describe
 
@@ -64,13 +64,13 @@ def test_tp2_matches_tp1_writes_dcp_that_inspect_reads_and_resumes_bit_identical
     assert max(abs(a - b) for a, b in zip(losses, tp1)) < TOL, (losses, tp1)
     assert full[0].extra["tp"] == 2 and full[0].extra["dp"] == 1
 
-    index = read_index(tmp_path / "step-2", expect_dp=1, expect_tp=2)
+    index = read_index(tmp_path / "step-2", expect=LayoutRequest(dp=1, tp=2))
     assert (index.meta["dp"], index.meta["tp"], index.meta["world_size"], index.meta["global_steps"]) == (1, 2, 2, 2)
     o_proj = index.by_key()[next(k for k in index.by_key() if k.name == "layers.0.self_attn.o_proj.weight")]
     assert sorted(c.offsets for c in o_proj.chunks) == [(0, 0), (0, 32)]  # RowwiseParallel: split on dim 1
     assert describe(index)["format"] == "dcp"
     with pytest.raises(LayoutMismatchError, match=r"declared tp=1 but the checkpoint was saved at tp=2"):
-        read_index(tmp_path / "step-2", expect_tp=1)
+        read_index(tmp_path / "step-2", expect=LayoutRequest(tp=1))
 
     resumed = launch(_spec(steps=4, tp=2, load_dir=str(tmp_path / "step-2")), 2)
     assert resumed[0].start_step == 2 and resumed[0].losses == losses[2:]

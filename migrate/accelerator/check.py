@@ -189,7 +189,7 @@ def checkpoint_round_trip(device: str, size: CheckSize, out: Path) -> StepReport
     """DeepSpeed ZeRO-1 in bf16 written on one side, converted to ZeRO-2 (another flat layout of every
     state) by `checkpoint.api.convert`, and the original and the converted one loaded by DeepSpeed on the
     other side: every logical tensor and counter of the two loads equal."""
-    from checkpoint.api import convert
+    from checkpoint.api import LayoutRequest, convert
     from checkpoint.state.fingerprint import differences
     from migrate.workload.engines import rank_entry
 
@@ -201,7 +201,7 @@ def checkpoint_round_trip(device: str, size: CheckSize, out: Path) -> StepReport
         where = root / label.replace(" ", "_")
         with _group(writer) as group:
             group.run(rank_entry("deepspeed"), _ds_spec(size, saved_at, 1, save_dir=str(where / "written")))
-        convert(where / "written", where / "converted", to="deepspeed", dp=1, zero_stage=2)
+        convert(where / "written", where / "converted", to="deepspeed", target=LayoutRequest(dp=1, zero_stage=2))
         original = _loaded_print(reader, _ds_spec(size, saved_at + 1, 1, load_dir=str(where / "written")))
         converted = _loaded_print(reader, _ds_spec(size, saved_at + 1, 2, load_dir=str(where / "converted")))
         found = differences(converted, original)

@@ -12,10 +12,11 @@ from typing import Any
 import click
 
 from checkpoint import bounded_yaml
-from checkpoint.api import WRITABLE_FORMATS, convert, read_index
+from checkpoint.api import LayoutRequest, WRITABLE_FORMATS, convert, read_index
 from checkpoint.formats import FORMAT_ALIASES
 from checkpoint.destination import Existing
 from checkpoint.errors import CheckpointError
+from checkpoint.strictness import Strictness
 from checkpoint.pools import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
@@ -80,6 +81,12 @@ def _shard_size(text: str | None) -> int | str | None:
               help="the architecture when the source does not record it, or to override what it records (each "
                    "overridden field is named): an HF config.json (llama/mixtral/starcoder2 keys) or a job YAML (its "
                    "model section)")
+@click.option("--strict", type=click.Choice([s.value for s in Strictness]), default=Strictness.REPORT.value,
+              show_default=True,
+              help="state that would not pass unchanged: report lists it (the optimizer a conversion to hf drops); "
+                   "refuse-loss refuses when any source state would not reach the target; refuse-change also "
+                   "refuses state the target would hold derived rather than copied (RNG of a rank whose role "
+                   "changed). Decided from the plan before anything is written")
 @click.option("--trust-checkpoint", is_flag=True, help="allow pickled classes outside the allow-list")
 @click.option("--follow-symlinks", is_flag=True,
               help="read through symbolic links that lead outside the source checkpoint (refused by default)")
@@ -90,7 +97,7 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             ep: int | None, vpp: int | None, max_shard_size: str | None, dcp_layout: str | None,
             param_names: str | None,
             dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
-            model_config: Path | None, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
+            model_config: Path | None, strict: str, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
     if to in FORMAT_ALIASES:
         click.echo(f"note: --to {to} is deprecated, use --to {FORMAT_ALIASES[to]} (accepted until migrate 0.3)", err=True)
@@ -110,10 +117,11 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             map_fn = ray_map(max_in_flight=max(workers, 1))
         phases = LiveStatus("convert", dest=dst)
         try:
-            outcome = convert(src, dst, to=to, dp=dp, zero_stage=zero_stage, tp=tp, pp=pp, ep=ep, vpp=vpp, arch=arch,
-                              model_config=config, max_shard_size=_shard_size(max_shard_size),
-                              dcp_layout=dcp_layout, param_names=param_names, dry_run=dry_run,
-                              map_fn=map_fn, trust_checkpoint=trust_checkpoint,
+            outcome = convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep, vpp=vpp,
+                                                                     zero_stage=zero_stage),
+                              strict=Strictness(strict), arch=arch, model_config=config,
+                              max_shard_size=_shard_size(max_shard_size), dcp_layout=dcp_layout,
+                              param_names=param_names, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
                               follow_symlinks=follow_symlinks, existing=existing, phase=phases)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
@@ -127,6 +135,10 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     for field in outcome.plan.source.meta.get("arch_overrides") or ():
         click.echo(f"--model-config overrides the checkpoint's {field}")
     click.echo(summarize(outcome.plan, per_rank=per_rank))
+    if outcome.differences:
+        click.echo(f"state not passed unchanged (--strict {strict}):")
+        for d in outcome.differences:
+            click.echo(f"  {d.describe()}")
     if outcome.result is None:
         return
     r = outcome.result

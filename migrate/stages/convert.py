@@ -14,7 +14,7 @@ import json
 import re
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from collections.abc import Mapping
 
 from pydantic import Field, field_validator
@@ -42,6 +42,10 @@ class ConvertOptions(StageOptions):
     workers: int = Field(default=1, ge=1, description="local processes writing target files")
     verify: bool = Field(default=True, description="compare every converted tensor with the source")
     trust_checkpoint: bool = Field(default=False, description="allow pickled classes outside the allow-list")
+    strict: Literal["report", "refuse-loss", "refuse-change"] = Field(
+        default="report", description="state that would not pass unchanged: report lists it; refuse-loss fails the "
+                                      "stage when source state would not reach the target; refuse-change also when "
+                                      "the target would hold state derived rather than copied (RNG)")
 
 
 def source_checkpoint(job: Any, upstream: Mapping[str, Any]) -> Path:
@@ -100,7 +104,8 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> StageOutcome:
-    from checkpoint.api import convert, detect_format, read_index
+    from checkpoint.api import LayoutRequest, convert, detect_format, read_index
+    from checkpoint.strictness import Strictness
     from checkpoint.destination import Existing, State, state_of
     from checkpoint.errors import OtherPlanError
     from checkpoint.pools import local_map
@@ -132,13 +137,15 @@ def run(ctx: StageContext) -> StageOutcome:
         # migrate does not record: the job's model section states it (one that records another is refused).
         model_config = (job.model.model_dump() if to_format.startswith("megatron") and not from_format.startswith("megatron")
                         else None)
+        target = LayoutRequest(dp=dp, tp=target_layout.tp, pp=target_layout.pp, ep=target_layout.ep,
+                               vpp=target_layout.vpp, zero_stage=stage)
+        expect = LayoutRequest(dp=source_layout.dp, tp=source_layout.tp, pp=source_layout.pp, ep=source_layout.ep,
+                               zero_stage=source_layout.zero_stage or None)
+
         def run_conversion(existing: Existing) -> Any:
-            return convert(src, dest, to=to_format, dp=dp, zero_stage=stage, tp=target_layout.tp,
-                           pp=target_layout.pp, ep=target_layout.ep, vpp=target_layout.vpp, map_fn=map_fn,
-                           model_config=model_config, existing=existing,
-                           trust_checkpoint=options.trust_checkpoint, expect_dp=source_layout.dp,
-                           expect_stage=source_layout.zero_stage or None, expect_tp=source_layout.tp,
-                           expect_pp=source_layout.pp, expect_ep=source_layout.ep,
+            return convert(src, dest, to=to_format, target=target, expect=expect, strict=Strictness(options.strict),
+                           map_fn=map_fn, model_config=model_config, existing=existing,
+                           trust_checkpoint=options.trust_checkpoint,
                            phase=lambda text, files=(): ctx.status(text, files=[str(dest / f) for f in files]))
 
         try:
@@ -151,9 +158,12 @@ def run(ctx: StageContext) -> StageOutcome:
     (ctx.work_dir / "plan.txt").write_text(plan_text + "\n")
     per_rank = [{"rank": s.rank, "files": list(s.files), "bytes_read": s.bytes_read, "bytes_written": s.bytes_written}
                 for s in rank_summaries(outcome.plan)]
-    (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems}, indent=2))
+    differences = [d.describe() for d in outcome.differences]
+    (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems,
+                                                           "differences": differences}, indent=2))
     metrics = {"files": len(result.files), "bytes": result.nbytes, "seconds": round(result.seconds, 3),
                "tensors": len(outcome.plan.target.index.entries), "verify_problems": len(problems),
+               "state_differences": len(outcome.differences),
                "target_dp": outcome.plan.target.index.meta.get("dp"),
                "target_zero_stage": outcome.plan.target.index.meta.get("stage")}
     ctx.log_metrics(0, metrics)
@@ -162,6 +172,7 @@ def run(ctx: StageContext) -> StageOutcome:
                f"{result.seconds:.2f} s; verification: "
                + ("every tensor equals the source" if options.verify and not problems else
                   f"{len(problems)} problems" if problems else "skipped")
+               + "".join(f"\n- not passed unchanged: {d}" for d in differences)
                + f"\n\n```\n{plan_text}\n```\n")
     return StageOutcome(verdict="fail" if problems else "pass", metrics=metrics,
                         outputs={"checkpoint": str(dest), "plan": str(ctx.work_dir / "plan.txt")},
