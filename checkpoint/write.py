@@ -25,7 +25,7 @@ from checkpoint.io.buffers import zeros
 from checkpoint.io.checksum import file_crc32
 from checkpoint.io.sources import Sources
 from checkpoint.io.syscalls import WritebackFile, copy_range, pwrite_all, release_pages
-from checkpoint.io.torch_zip import Layouts, StoredTensor, fix_zip_crcs
+from checkpoint.io.torch_zip import TensorLocations, StoredTensor, fix_zip_crcs
 from checkpoint.plan import CopyItem, TargetFile, WriteMode
 
 
@@ -194,14 +194,14 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     path = Path(dest_root) / file.path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    layouts, fds = Layouts(), {}
+    locations, fds = TensorLocations(), {}
     try:
         with open(tmp, "wb") as f, torch.serialization.skip_data():
             torch.save(payload, f, pickle_module=safe_load.PICKLE_MODULE)
         del payload, placeholders
         targets, inline = {}, set()
         for b in file.buffers:
-            loc = layouts.locate(tmp, b.key)
+            loc = locations.locate(tmp, b.key)
             if loc is None and b.shape == ():
                 inline.add(b.key)  # stored as a Python number, already filled
                 continue
@@ -215,7 +215,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
             """Copy elements run = (source offset, target offset, count) file to file when both are one
             contiguous run of the same dtype inside the files; False when they are not."""
             s, d, n = run
-            src_loc = layouts.locate(src_root / it.src.file, it.src.key) if sources.mapped(it.src.key) else None
+            src_loc = locations.locate(src_root / it.src.file, it.src.key) if sources.mapped(it.src.key) else None
             if src_loc is None or src_loc.dtype != dst.dtype or s + n > src_loc.numel or d + n > dst.numel:
                 return False
             if it.src.file not in fds:

@@ -120,7 +120,7 @@ def test_tied_embeddings_are_one_canonical_tensor():
     """Tied input/output embeddings: the canonical model has no lm_head; at PP 2 the last stage's copy sits
     in its optimizer bucket (and is skipped: its state is the embedding's), at PP 1 it does not exist."""
     from checkpoint.api import LayoutRequest, plan_conversion
-    from checkpoint.formats.megatron import bucket_layouts, domain_params, separate_bucket_keys
+    from checkpoint.formats.megatron import buffer_buckets, domain_params, separate_bucket_keys
     from checkpoint.formats.megatron_synth import synthetic_index
     from checkpoint.index import Kind
     from checkpoint.layout import ParallelLayout
@@ -139,7 +139,7 @@ def test_tied_embeddings_are_one_canonical_tensor():
     separate = separate_bucket_keys(tied, 2)  # Megatron's shared_embedding: a bucket of its own (reverse order)
 
     def buckets(pp_rank):
-        return [[p.rule.key for p, _ in b] for b, _ in bucket_layouts(params(2, pp_rank), separate)]
+        return [[p.rule.key for p, _ in b] for b, _ in buffer_buckets(params(2, pp_rank), separate)]
 
     assert len(buckets(0)) == 2 and buckets(0)[1] == ["embedding.word_embeddings.weight"]
     assert len(buckets(1)) == 2 and buckets(1)[0] == ["output_layer.weight"]

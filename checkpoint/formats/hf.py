@@ -276,7 +276,7 @@ _ST_CODES = {v: k for k, v in _ST_DTYPES.items()} | {"uint16": "U16", "uint32": 
 _ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
 
 
-def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]
+def safetensors_spans(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]
                        ) -> tuple[bytes, list[tuple[str, int, int]]]:
     """The header bytes (length prefix included) of a safetensors file holding `tensors` (name, dtype,
     shape) and, in file order, each tensor's (name, data begin, data end) relative to the data section."""
@@ -305,7 +305,7 @@ class HFWriter:
         if file.role != "weights":
             raise PlanError(f"HF writer: unknown file role {file.role!r} for {file.path}")
         keys = {b.key[1]: b for b in file.buffers}
-        header, spans = safetensors_layout([(n, b.dtype, tuple(b.shape)) for n, b in keys.items()],
+        header, spans = safetensors_spans([(n, b.dtype, tuple(b.shape)) for n, b in keys.items()],
                                            {"format": "pt", ARCH_KEY: meta["architecture"]})
 
         def write(stream: BinaryIO) -> None:

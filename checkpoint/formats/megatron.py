@@ -245,7 +245,7 @@ def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_ran
     return out
 
 
-def bucket_layout(params: list[LocalParam]) -> tuple[list[tuple[LocalParam, int]], int]:
+def bucket_offsets(params: list[LocalParam]) -> tuple[list[tuple[LocalParam, int]], int]:
     """[(param, start element)] in the flat bucket and the bucket's unpadded numel (reverse order, 64-aligned)."""
     placed, pos, end = [], 0, 0
     for p in reversed(params):
@@ -263,7 +263,7 @@ def separate_bucket_keys(arch: ArchSpec, pp: int) -> frozenset[str]:
         else frozenset()
 
 
-def bucket_layouts(params: list[LocalParam], separate: frozenset[str] = frozenset(), bucket_size: int | None = None
+def buffer_buckets(params: list[LocalParam], separate: frozenset[str] = frozenset(), bucket_size: int | None = None
                    ) -> list[tuple[list[tuple[LocalParam, int]], int]]:
     """Megatron-Core's buckets of one grad buffer (`_ParamAndGradBuffer`): params in reverse order, each start
     64-aligned; a bucket closes after the param that brings it to `bucket_size` elements (None: never), and
@@ -556,12 +556,12 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
         if saved_dtype != param_dtype:
             raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} holds {saved_dtype} params but the model "
                                         f"tensors give {param_dtype} for that buffer")
-        layouts = bucket_layouts(params, separate_bucket_keys(arch, pp) if not experts else frozenset(), bucket_size)
-        if bucket >= len(layouts):
-            raise CheckpointFormatError(f"{root}: {key}: bucket {bucket} but the rules give {len(layouts)} bucket(s) "
+        buckets = buffer_buckets(params, separate_bucket_keys(arch, pp) if not experts else frozenset(), bucket_size)
+        if bucket >= len(buckets):
+            raise CheckpointFormatError(f"{root}: {key}: bucket {bucket} but the rules give {len(buckets)} bucket(s) "
                                         f"for this grad buffer at bucket size {bucket_size} (from Megatron-LM's "
                                         f"args overlap_grad_reduce / ddp_bucket_size; None without them)")
-        placed, numel = layouts[bucket]
+        placed, numel = buckets[bucket]
         if (numel,) != tuple(tmd.size):
             raise LayoutMismatchError(
                 f"{root}: {key} holds {tuple(tmd.size)} elements but the rules give {numel} for tp_rank={tp_rank} "

@@ -35,7 +35,7 @@ from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.formats.base import check_agreement, refuse_frozen_params, refuse_shared_params, scalar
 from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, TRACKER_FILE, LocalParam, arch_of_common,
-                                         bucket_layout, canonical_train_state, check_padded_vocab, grad_buffers,
+                                         bucket_offsets, canonical_train_state, check_padded_vocab, grad_buffers,
                                          iteration_dir_name, param_dtypes, saved_model_spec, tracker_text,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
@@ -325,7 +325,7 @@ def _index_distrib_optim(arch: ArchSpec, raw: Any, layout: Mapping[str, int], t:
             if saved != param_dtype:
                 raise CheckpointFormatError(f"{where}: optimizer {chain} grad buffer {g} is keyed {dkey} but the model "
                                             f"file's weights give {param_dtype} params for it")
-            placed, numel = bucket_layout(params)
+            placed, numel = bucket_offsets(params)
             got = int(bufs.get("numel_unpadded", -1))
             sizes = {k: tuple(bufs[k].shape) for k in STATE_KINDS if isinstance(bufs.get(k), torch.Tensor)}
             if got != numel or set(sizes.values()) != {(numel,)} or len(sizes) != 3:
@@ -476,7 +476,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                     buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
                                            ep_rank=e, experts=experts)
                     for g, (param_dtype, params, _) in enumerate(buffers):
-                        placed, numel = bucket_layout(params)
+                        placed, numel = bucket_offsets(params)
                         path = (chain,) if chained else ()
                         dkey = (getattr(torch, param_dtype), torch.float32)  # (param, grad) dtype: grads in fp32
                         for name, kind in STATE_KINDS.items():

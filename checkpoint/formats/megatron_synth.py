@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
-from checkpoint.formats.megatron import (bucket_layouts, domain_params, index_from_metadata, layer_boxes,
+from checkpoint.formats.megatron import (buffer_buckets, domain_params, index_from_metadata, layer_boxes,
                                          owner_boxes, separate_bucket_keys, writer_ranks)
 from checkpoint.index import CheckpointIndex, dtype_size
 from checkpoint.layout import ParallelLayout
@@ -87,7 +87,7 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                         if not params:
                             continue
                         separate = separate_bucket_keys(arch, layout.pp) if not experts else frozenset()
-                        for b, (_, unpadded) in enumerate(bucket_layouts(params, separate)):
+                        for b, (_, unpadded) in enumerate(buffer_buckets(params, separate)):
                             divisor = math.lcm(len(ranks), 128)
                             local = math.ceil(unpadded / divisor) * divisor // len(ranks)
                             prefix = f"chained_{chain}." if chained else ""

@@ -47,7 +47,7 @@ class _TensorRef:
 
 
 class _Opaque:
-    """Stands in for every non-container class of a pickle read for its layout only: nothing is imported or run."""
+    """Stands in for every non-container class of a pickle read for its tensors' locations only: nothing is imported or run."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -63,7 +63,7 @@ def _rebuild_ref(storage: Any, storage_offset: int, size: Any, stride: Any, *arg
     return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
 
 
-class _LayoutUnpickler(pickle.Unpickler):
+class _LocationUnpickler(pickle.Unpickler):
     """Reads a torch.save'd `data.pkl` into plain containers with `_TensorRef`s in place of tensors."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -89,7 +89,7 @@ class _LayoutUnpickler(pickle.Unpickler):
         return _StorageRef(str(key), dtype)
 
 
-class Layouts:
+class TensorLocations:
     """Byte locations of tensors in torch.save'd files, from each file's pickle (parsed once, nothing loaded)."""
 
     def __init__(self) -> None:
@@ -101,7 +101,7 @@ class Layouts:
         if p not in self.files:
             try:
                 reader = torch._C.PyTorchFileReader(p)
-                obj = _LayoutUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
+                obj = _LocationUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
             except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
                 obj, reader = None, None
             self.files[p] = (reader, obj)

@@ -23,7 +23,7 @@ from typing import Any
 from collections.abc import Callable
 
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, pack_call, setup_rank, teardown_rank
-from migrate.runtime.group import FailureKind, RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+from migrate.runtime.group import FailureKind, RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_placement
 
 # After one rank fails the others are usually blocked in a collective with it:
 # wait this long for their own answers before stopping them.
@@ -109,7 +109,7 @@ class LocalWorkerGroup:
         port = free_port()
         self._contexts = []
         for rank in range(spec.world_size):
-            node_rank, local_rank = rank_layout(spec, rank)
+            node_rank, local_rank = rank_placement(spec, rank)
             self._contexts.append(
                 RankContext(
                     rank=rank, world_size=spec.world_size, local_rank=local_rank,

@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from migrate.runtime._local import FAILURE_GRACE_S
 from migrate.runtime._rank import RankOutcome, execute, free_port, hostname, node_address, pack_call, setup_rank, teardown_rank
-from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_layout
+from migrate.runtime.group import RankContext, RankFailure, WorkerGroupError, WorkerGroupSpec, rank_placement
 
 _CLOSE_WAIT_S = 5.0
 # A rank that lost a peer raises at once (Gloo/NCCL/HCCL), while Ray reports the peer's death a moment later:
@@ -105,7 +105,7 @@ class RayWorkerGroup:
                     ) from None
             actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(_RankActor)  # type: ignore[call-overload]
             for rank in range(spec.world_size):
-                node_rank, local_rank = rank_layout(spec, rank)
+                node_rank, local_rank = rank_placement(spec, rank)
                 options: dict[str, Any] = {
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=self._pgs[node_rank], placement_group_bundle_index=local_rank
@@ -122,7 +122,7 @@ class RayWorkerGroup:
             master_addr, _, master_port, _ = infos[0]
             for rank, (addr, host, _, pid) in enumerate(infos):
                 self._pids[rank] = (pid, host)
-                node_rank, local_rank = rank_layout(spec, rank)
+                node_rank, local_rank = rank_placement(spec, rank)
                 self._contexts.append(
                     RankContext(
                         rank=rank, world_size=spec.world_size, local_rank=local_rank,

@@ -125,6 +125,6 @@ class WorkerGroup(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-def rank_layout(spec: WorkerGroupSpec, rank: int) -> tuple[int, int]:
+def rank_placement(spec: WorkerGroupSpec, rank: int) -> tuple[int, int]:
     """(node_rank, local_rank) of a global rank: ranks are laid node-major."""
     return divmod(rank, spec.ranks_per_node)

@@ -16,9 +16,9 @@ and its node; the group is then torn down (no orphan processes).
 from __future__ import annotations
 
 from migrate.runtime.group import (RankContext, RankFailure, WorkerGroup, WorkerGroupError, WorkerGroupSpec,
-                                   rank_layout)
+                                   rank_placement)
 
-__all__ = ["RankContext", "RankFailure", "WorkerGroup", "WorkerGroupError", "WorkerGroupSpec", "rank_layout",
+__all__ = ["RankContext", "RankFailure", "WorkerGroup", "WorkerGroupError", "WorkerGroupSpec", "rank_placement",
            "start_worker_group", "warm_local_ranks"]
 
 
