@@ -39,7 +39,7 @@ from checkpoint.io.checksum import crc32
 from checkpoint.manifest import write_manifest
 from checkpoint.plan import ConversionPlan, WriteMode
 from checkpoint.pools import IO_THREADS, MapFn, in_threads
-from checkpoint.write import FileRecord, Writer, write_atomic, write_target_file
+from checkpoint.write import FileRecord, Writer, remove_temps, write_atomic, write_target_file
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +116,7 @@ def _write_files(plan: ConversionPlan, writer: Writer, dest: Path, todo: frozens
     # two files at once only where a worker holds one tensor, not a whole file
     bounded = mode is not WriteMode.IN_MEMORY
     written = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
+    remove_temps(dest, todo)  # a retried worker's (its node lost mid-write) temporary file
     by_path = {r.path: r for r in written} | {
         p: FileRecord(path=p, nbytes=int(r["bytes"]), crc32=str(r["crc32"]), extra=r.get("extra"))
         for p, r in kept.items()}

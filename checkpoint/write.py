@@ -6,10 +6,11 @@ their place in that file (kernel file-to-file copies where possible)."""
 
 from __future__ import annotations
 
+import glob
 import io
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -61,11 +62,25 @@ class FileRecord:
     extra: Any = None  # what the file's StreamPayload returned (for Writer.finalize)
 
 
+def temp_path(path: Path) -> Path:
+    """Where this process writes `path` before renaming it into place."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_temps(dest: Path, paths: Iterable[str]) -> None:
+    """Remove what a worker lost mid-write (its process or node gone) left beside each of `paths` under
+    `dest`: its temporary files. Only once every worker has returned: a live worker's would go too."""
+    for rel in paths:
+        target = dest / rel
+        for stray in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+            stray.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileRecord:
     """Write bytes/str, a StreamPayload or a torch-saveable object to a temp name, fsync, rename; return
     its record (`checksum=False`: with an empty crc32, for the caller to fill)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
         with io.BufferedWriter(WritebackFile(tmp)) as f:
             extra = None
@@ -193,7 +208,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                               f"buffers; it must return the torch-saveable object holding them")
     path = Path(dest_root) / file.path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     locations, fds = TensorLocations(), {}
     try:
         with open(tmp, "wb") as f, torch.serialization.skip_data():

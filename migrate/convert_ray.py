@@ -1,41 +1,118 @@
-"""Ray tasks as the converter's `map_fn`: each target file is written by one Ray task.
+"""Ray tasks as the converter's `map_fn`: each target file is written by one Ray task, placed by node.
 
 The checkpoint library stays Ray-free: `checkpoint.execute.execute(plan, writer, dest, map_fn=...)`
 calls `map_fn(write_target_file, [args per target file])`; here every call becomes a Ray task that
-reads its source regions and writes its file itself (source and destination must be on storage
-every node sees). The coordinator (the caller) still writes the manifest last.
+reads its source regions and writes its file itself (source and destination on storage every node sees).
+The coordinator (the caller) still writes the manifest and the commit files last.
+
+Placement (`place_files`, pure): the target layout's ranks are laid node-major over the cluster's nodes, as
+a worker group lays its ranks (`rank_placement`): with W target ranks on N nodes, node k writes the files of
+ranks [k·⌈W/N⌉, (k+1)·⌈W/N⌉); files no rank owns (DeepSpeed's `latest`, a state report) go, once each, to
+the node with the fewest bytes so far. Each task asks for its node with a soft node affinity, so a task whose
+node is lost is retried (`retries` times) on another node; a file is complete or absent (written under a
+temporary name, then renamed), so a retry is idempotent. After the retries the conversion fails naming the
+node and the ranks (`NodeLostError`), and the executor removes what it wrote.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.pools import MapFn
+from checkpoint.errors import CheckpointError
+from checkpoint.plan import TargetFile
 
 
-def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None) -> MapFn:
-    """A map over argument tuples as Ray tasks on the current Ray session (see `ray_cluster.connect`).
+class NodeLostError(CheckpointError):
+    """Target files whose task failed on a lost node (or worker) after every retry; names the nodes and ranks."""
 
-    Results come back in argument order; the first task error is raised on the coordinator with the
-    task's own exception type (Ray re-raises it as a subclass), after every task still queued or running is
-    cancelled (force: its worker process is killed), so no task writes on after the conversion failed.
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where a target file was planned to be written and where it was (node ids)."""
+
+    path: str
+    rank: int | None
+    planned: str
+    written: str
+
+
+def place_files(files: Sequence[TargetFile], nodes: Sequence[str]) -> dict[str, str]:
+    """{target file path: node id}: ranks node-major over `nodes` in their order, rank-less files to the
+    node with the fewest bytes so far (ties: the first). Pure; raises ValueError without nodes."""
+    if not nodes:
+        raise ValueError("place_files: no nodes to place target files on")
+    ranks = sorted({f.rank for f in files if f.rank is not None})
+    per_node = max(1, math.ceil((ranks[-1] + 1) / len(nodes))) if ranks else 1
+    out: dict[str, str] = {}
+    load = dict.fromkeys(nodes, 0)
+    for f in files:
+        if f.rank is not None:
+            node = nodes[min(f.rank // per_node, len(nodes) - 1)]
+            out[f.path] = node
+            load[node] += max(f.nbytes, 1)
+    for f in files:
+        if f.rank is None:
+            node = min(nodes, key=lambda n: (load[n], nodes.index(n)))
+            out[f.path] = node
+            load[node] += max(f.nbytes, 1)
+    return out
+
+
+def alive_nodes(num_cpus: float = 1.0) -> list[str]:
+    """Ids of the alive nodes with at least `num_cpus` CPUs, ordered by address then id (the same order on
+    every call while the cluster does not change)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus]
+    return [n["NodeID"] for n in sorted(nodes, key=lambda n: (n.get("NodeManagerAddress", ""), n["NodeID"]))]
+
+
+def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """Run fn(*args) in a task; return the id of the node it ran on with the result."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), fn(*args)
+
+
+class RayMap:
+    """A `MapFn` over Ray tasks on the current Ray session (see `ray_cluster.connect`).
+
+    Jobs whose first argument is a `TargetFile` (the executor's) are placed by node (`place_files`); other
+    jobs go wherever Ray puts them. Results come back in argument order; `placements` tells, per target file,
+    the planned and the actual node of the last call. The first task error is raised on the coordinator with
+    the task's own exception type (Ray re-raises it as a subclass); a task lost with its node or worker is
+    retried `retries` times, then raises `NodeLostError`. Either way every task still queued or running is
+    cancelled first (force: its worker process is killed), so no task writes on after the conversion failed.
     """
 
-    def run(fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def __init__(self, *, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
+                 by_node: bool = True) -> None:
+        self.num_cpus, self.max_in_flight, self.retries, self.by_node = num_cpus, max_in_flight, retries, by_node
+        self.placements: list[Placement] = []
+
+    def __call__(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
             raise RuntimeError("ray_map needs a Ray session: call migrate.runtime.ray_cluster.connect(...) first")
-        task = ray.remote(num_cpus=num_cpus, max_retries=0)(fn)
-        limit = max_in_flight or len(args) or 1
+        files = [a[0] for a in args if a and isinstance(a[0], TargetFile)]
+        planned: Mapping[str, str] = place_files(files, alive_nodes(self.num_cpus)) if self.by_node and files else {}
+        task = ray.remote(num_cpus=self.num_cpus, max_retries=self.retries, retry_exceptions=False)(_on_node)
+        limit = self.max_in_flight or len(args) or 1
         refs: list[Any] = []
         try:
             for a in args:
                 if len(refs) >= limit:
                     ray.wait(refs, num_returns=len(refs) - limit + 1)
-                refs.append(task.remote(*a))
-            return ray.get(refs)
+                node = planned.get(a[0].path) if a and isinstance(a[0], TargetFile) else None
+                options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node \
+                    else {}
+                refs.append(task.options(**options).remote(fn, *a))
+            done = self._gather(refs, args, planned)
         except BaseException:
             for ref in refs:
                 try:
@@ -43,5 +120,35 @@ def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None) -> MapFn
                 except Exception:  # noqa: BLE001 - finished or already gone
                     pass
             raise
+        self.placements = [Placement(path=a[0].path, rank=a[0].rank, planned=planned.get(a[0].path, ""), written=node)
+                           for a, (node, _) in zip(args, done) if a and isinstance(a[0], TargetFile)]
+        return [result for _, result in done]
 
-    return run
+    def _gather(self, refs: list[Any], args: Sequence[tuple[Any, ...]], planned: Mapping[str, str]
+                ) -> list[tuple[str, Any]]:
+        """Every task's (node, result); the lost ones (after their retries) raise NodeLostError naming each."""
+        import ray
+        from ray.exceptions import RayError, RayTaskError
+
+        out: list[tuple[str, Any]] = []
+        lost: list[str] = []
+        for ref, a in zip(refs, args):
+            try:
+                out.append(ray.get(ref))
+            except RayTaskError:
+                raise  # the task's own error (bad input, disk full): as the local pool raises it
+            except RayError as err:
+                what = (f"{a[0].path} (rank {a[0].rank}, planned on node {planned.get(a[0].path, '?')[:12]})"
+                        if a and isinstance(a[0], TargetFile) else "a task")
+                lost.append(f"{what}: {type(err).__name__}")
+                out.append(("", None))
+        if lost:
+            raise NodeLostError(f"{len(lost)} target file(s) lost with their node or worker after "
+                                f"{self.retries + 1} attempt(s) each: " + "; ".join(lost))
+        return out
+
+
+def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
+            by_node: bool = True) -> RayMap:
+    """A `RayMap` (see there): target files written by Ray tasks placed by node, retried on a lost node."""
+    return RayMap(num_cpus=num_cpus, max_in_flight=max_in_flight, retries=retries, by_node=by_node)

@@ -20,6 +20,7 @@ from checkpoint.strictness import Strictness
 from checkpoint.pools import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
+from migrate.convert_ray import NodeLostError, RayMap
 from migrate.progress import LiveStatus
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -123,6 +124,9 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
                               max_shard_size=_shard_size(max_shard_size), dcp_layout=dcp_layout,
                               param_names=param_names, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
                               follow_symlinks=follow_symlinks, existing=existing, phase=phases)
+        except NodeLostError as exc:  # not bad input: the cluster lost what it was writing
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
         except CheckpointError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -144,6 +148,11 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     r = outcome.result
     kept = f" ({r.resumed} kept from the unfinished run)" if r.resumed else ""
     click.echo(f"wrote {len(r.files)} files{kept}, {r.nbytes / 2**20:.2f} MiB in {r.seconds:.2f} s to {dst}")
+    if isinstance(map_fn, RayMap) and map_fn.placements:
+        nodes = sorted({p.written for p in map_fn.placements})
+        moved = sum(p.written != p.planned for p in map_fn.placements if p.planned)
+        click.echo(f"ray: {len(map_fn.placements)} files written by tasks on {len(nodes)} node(s)"
+                   + (f", {moved} on another node than planned (their node was lost)" if moved else ""))
     if verify:
         problems = compare_indexes(outcome.plan.source, read_index(dst))
         for p in problems:

@@ -1,0 +1,89 @@
+"""A conversion spread over a multi-node Ray cluster: each target rank's files written by a task on its node, a
+lost node's share redone elsewhere, and a clear failure once the retries are spent (ray_nodes_scenario.py runs
+the cluster in its own process)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoint.api import read_index
+from checkpoint.manifest import verify_manifest
+from checkpoint.plan import TargetBuffer, TargetFile
+from checkpoint.verify import compare_indexes
+from migrate.convert_ray import place_files
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _files(ranks, shared=()):
+    weights = (TargetBuffer(key=("w",), shape=(1000,), dtype="float32"),)
+    return [TargetFile(path=f"r{r}.pt", role="x", rank=r, buffers=weights) for r in ranks] + [
+        TargetFile(path=p, role="x", rank=None) for p in shared]
+
+
+def test_ranks_are_laid_node_major_and_shared_files_go_to_the_least_loaded_node():
+    placed = place_files(_files(range(4), ["latest", "report.json"]), ["a", "b", "c"])
+    assert [placed[f"r{r}.pt"] for r in range(4)] == ["a", "a", "b", "b"]
+    assert placed["latest"] == "c" and placed["report.json"] == "c"  # empty files: c stays the least loaded
+    placed = place_files(_files(range(5)), ["a", "b"])
+    assert [placed[f"r{r}.pt"] for r in range(5)] == ["a", "a", "a", "b", "b"]
+    placed = place_files(_files(range(2), ["latest"]), ["a", "b", "c", "d"])
+    assert (placed["r0.pt"], placed["r1.pt"], placed["latest"]) == ("a", "b", "c")
+    assert place_files(_files((), ["latest"]), ["a"]) == {"latest": "a"}
+    with pytest.raises(ValueError, match="no nodes"):
+        place_files(_files(range(2)), [])
+
+
+@pytest.fixture(scope="module")
+def scenario(deepspeed_checkpoint, tmp_path_factory):
+    src = deepspeed_checkpoint(2, 1).path
+    work = tmp_path_factory.mktemp("ray_nodes")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "ray_nodes_scenario.py"), str(src), str(work)],
+                          capture_output=True, text=True, cwd=REPO, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return src, work, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _rank_files(placements):
+    return [p for p in placements if p["rank"] is not None]
+
+
+@pytest.mark.slow
+def test_every_file_is_written_on_the_node_that_owns_its_rank(scenario):
+    src, work, result = scenario
+    nodes, placed = result["nodes"], result["placed"]
+    assert len(nodes) == 3
+    assert placed and all(p["written"] == p["planned"] for p in placed), placed
+    by_rank = {p["rank"]: p["written"] for p in _rank_files(placed)}
+    assert [by_rank[r] for r in range(4)] == [nodes[0], nodes[0], nodes[1], nodes[1]]  # 4 ranks, 2 per node
+    assert {p["written"] for p in placed if p["rank"] is None} <= {nodes[2]}  # a state report: once, on the idle node
+    assert verify_manifest(work / "placed") == []
+    assert compare_indexes(read_index(src), read_index(work / "placed")) == []
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_files_are_redone_on_another_node(scenario):
+    src, work, result = scenario
+    lost = result["node_lost"]
+    assert lost.get("ok") and lost["finished"], lost
+    assert lost["doomed_started"], "no task started on the node before it was removed"
+    moved = [p for p in lost["placements"] if p["planned"] == lost["doomed_node"]]
+    assert {p["rank"] for p in moved} == {0, 1}
+    assert all(p["written"] not in ("", lost["doomed_node"]) for p in moved), moved
+    dst = work / "node_lost"
+    assert not list(dst.rglob(".*.tmp-*")), "a lost task's temporary file was left behind"
+    assert verify_manifest(dst) == []
+    assert compare_indexes(read_index(src), read_index(dst)) == []
+
+
+@pytest.mark.slow
+def test_without_retries_a_lost_node_fails_naming_its_ranks_and_leaves_nothing(scenario):
+    _, work, result = scenario
+    failed = result["exhausted"]
+    assert "ok" not in failed and failed["error"].startswith("NodeLostError: "), failed
+    assert "after 1 attempt(s) each" in failed["error"] and "(rank 0, planned on node " in failed["error"]
+    assert failed["doomed_node"][:12] in failed["error"]
+    assert not (work / "exhausted").exists()
