@@ -2,6 +2,7 @@
 lost node's share redone elsewhere, and a clear failure once the retries are spent (ray_nodes_scenario.py runs
 the cluster in its own process)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from checkpoint.manifest import verify_manifest
 from checkpoint.plan import TargetBuffer, TargetFile
 from checkpoint.verify import compare_indexes
 from migrate.convert_ray import place_files
+from migrate.workload.fixtures import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,12 +41,13 @@ def test_ranks_are_laid_node_major_and_shared_files_go_to_the_least_loaded_node(
 
 @pytest.fixture(scope="module")
 def scenario(deepspeed_checkpoint, tmp_path_factory):
-    src = deepspeed_checkpoint(2, 1).path
+    ck = deepspeed_checkpoint(2, 1)
+    src = ck.path
     work = tmp_path_factory.mktemp("ray_nodes")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "ray_nodes_scenario.py"), str(src), str(work)],
                           capture_output=True, text=True, cwd=REPO, timeout=840)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return src, work, json.loads(proc.stdout.strip().splitlines()[-1])
+    return ck, work, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _rank_files(placements):
@@ -53,7 +56,8 @@ def _rank_files(placements):
 
 @pytest.mark.slow
 def test_every_file_is_written_on_the_node_that_owns_its_rank(scenario):
-    src, work, result = scenario
+    ck, work, result = scenario
+    src = ck.path
     nodes, placed = result["nodes"], result["placed"]
     assert len(nodes) == 3
     assert placed and all(p["written"] == p["planned"] for p in placed), placed
@@ -66,7 +70,9 @@ def test_every_file_is_written_on_the_node_that_owns_its_rank(scenario):
 
 @pytest.mark.slow
 def test_a_lost_nodes_files_are_redone_on_another_node(scenario):
-    src, work, result = scenario
+    """...and DeepSpeed loads the result at dp4 ZeRO-3 and trains on as the source resumed at dp2 does."""
+    ck, work, result = scenario
+    src = ck.path
     lost = result["node_lost"]
     assert lost.get("ok") and lost["finished"], lost
     assert lost["doomed_started"], "no task started on the node before it was removed"
@@ -77,6 +83,11 @@ def test_a_lost_nodes_files_are_redone_on_another_node(scenario):
     assert not list(dst.rglob(".*.tmp-*")), "a lost task's temporary file was left behind"
     assert verify_manifest(dst) == []
     assert compare_indexes(read_index(src), read_index(dst)) == []
+    step = dataclasses.replace(ck.spec, steps=ck.spec.steps + 1, save_dir=None)
+    resumed = launch(dataclasses.replace(step, zero_stage=3, load_dir=str(dst)), 4)[0].losses
+    reference = launch(dataclasses.replace(step, load_dir=str(src)), 2)[0].losses
+    assert len(resumed) == len(reference) == 1, (resumed, reference)
+    assert resumed[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -159,8 +159,11 @@ def run(ctx: StageContext) -> StageOutcome:
     per_rank = [{"rank": s.rank, "files": list(s.files), "bytes_read": s.bytes_read, "bytes_written": s.bytes_written}
                 for s in rank_summaries(outcome.plan)]
     differences = [d.describe() for d in outcome.differences]
+    placements = [{"path": p.path, "rank": p.rank, "planned_node": p.planned, "written_node": p.written}
+                  for p in getattr(map_fn, "placements", ())]  # Ray tasks: where each file was written
     (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems,
-                                                           "differences": differences}, indent=2))
+                                                           "differences": differences, "placements": placements},
+                                                          indent=2))
     metrics = {"files": len(result.files), "bytes": result.nbytes, "seconds": round(result.seconds, 3),
                "tensors": len(outcome.plan.target.index.entries), "verify_problems": len(problems),
                "state_differences": len(outcome.differences),
