@@ -78,8 +78,7 @@ def read_index(path: str | Path, *, expect: LayoutRequest = NO_REQUEST, trust_ch
     check_links(path, follow_symlinks=follow_symlinks)
     spec = get_format(fmt) if fmt is not None else get_format(detect_format(path))
     try:
-        index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, dp=expect.dp, zero_stage=expect.zero_stage,
-                                            tp=expect.tp, pp=expect.pp, ep=expect.ep, model_config=model_config))
+        index = spec.read(path, ReadOptions(trust_checkpoint=trust_checkpoint, expect=expect, model_config=model_config))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, OSError) as err:
         # content the reader's own checks did not foresee: still one line naming the checkpoint, not a traceback
         raise CheckpointFormatError(f"{path}: not a readable {spec.name} checkpoint ({type(err).__name__}: "
@@ -110,8 +109,7 @@ def plan_conversion(index: CheckpointIndex, *, to: str, target: LayoutRequest = 
     spec = get_format(to)
     if spec.target is None or spec.writer is None:
         raise PlanError(f"format {to!r} is read-only; writable formats: {', '.join(WRITABLE_FORMATS)}")
-    opts = TargetOptions(dp=target.dp, zero_stage=target.zero_stage, tp=target.tp, pp=target.pp, ep=target.ep,
-                         vpp=target.vpp, arch=arch,
+    opts = TargetOptions(layout=target, arch=arch,
                          model_config=model_config, max_shard_size=max_shard_size, dcp_layout=dcp_layout,
                          param_names=param_names)
     if param_names is not None and param_names not in NAMINGS:

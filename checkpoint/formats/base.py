@@ -16,6 +16,7 @@ from typing import Any
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.write import Writer
 from checkpoint.index import CheckpointIndex
+from checkpoint.layout import LayoutRequest
 from checkpoint.plan import TargetSpec
 
 
@@ -27,29 +28,19 @@ class ReadOptions:
     """
 
     trust_checkpoint: bool = False
-    dp: int | None = None
-    zero_stage: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    ep: int | None = None
+    expect: LayoutRequest = LayoutRequest()  # None axes: not checked
     model_config: Mapping[str, Any] | None = None  # architecture for sources that hold none, overriding theirs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetOptions:
-    """The target layout; `None` means "the source's" (or the format's only choice).
-
-    `dp` is the data-parallel (for DCP: world) size; `arch` names the HF parameter-name map;
+    """The target `layout` (a `None` axis: the source's, or the format's only choice) and what else a target
+    builder needs: `arch` names the HF parameter-name map;
     `model_config` gives the architecture (ModelSpec-style fields: architecture, num_layers, hidden_size,
     ...) to targets whose layout rules need it when the source does not carry it (Megatron).
     """
 
-    dp: int | None = None
-    zero_stage: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    ep: int | None = None
-    vpp: int | None = None
+    layout: LayoutRequest = LayoutRequest()
     arch: str | None = None
     model_config: Mapping[str, Any] | None = None
     max_shard_size: int | str | None = None  # HF: the largest safetensors shard ("5GB", bytes)

@@ -515,13 +515,14 @@ class DCPWriter:
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
-    return read_dcp(path, expect_dp=opts.dp, expect_tp=opts.tp, trust_checkpoint=opts.trust_checkpoint)
+    return read_dcp(path, expect_dp=opts.expect.dp, expect_tp=opts.expect.tp, trust_checkpoint=opts.trust_checkpoint)
 
 
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
-    if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
-        raise PlanError(f"DCP target is written for FSDP at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
-    return dcp_target(index, world=opts.dp if opts.dp is not None else int(index.meta.get("dp", 1)),
+    asked = opts.layout
+    if (asked.tp or 1, asked.pp or 1, asked.ep or 1) != (1, 1, 1):
+        raise PlanError(f"DCP target is written for FSDP at tp=1 pp=1 ep=1; got tp={asked.tp} pp={asked.pp} ep={asked.ep}")
+    return dcp_target(index, world=asked.dp if asked.dp is not None else int(index.meta.get("dp", 1)),
                       layout=opts.dcp_layout or "nested")
 
 

@@ -1030,16 +1030,17 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
-    return read_deepspeed(path, trust_checkpoint=opts.trust_checkpoint, expect_dp=opts.dp,
-                          expect_stage=opts.zero_stage)
+    return read_deepspeed(path, trust_checkpoint=opts.trust_checkpoint, expect_dp=opts.expect.dp,
+                          expect_stage=opts.expect.zero_stage)
 
 
 def target_dp_and_stage(index: CheckpointIndex, opts: TargetOptions, what: str) -> tuple[int, int]:
     """(dp, ZeRO stage) of a data-parallel-only target: the options', else the source's."""
-    if (opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1):
-        raise PlanError(f"{what} target is written at tp=1 pp=1 ep=1; got tp={opts.tp} pp={opts.pp} ep={opts.ep}")
-    dp = opts.dp if opts.dp is not None else int(index.meta.get("dp", 1))
-    stage = opts.zero_stage if opts.zero_stage is not None else int(index.meta.get("stage", 1))
+    asked = opts.layout
+    if (asked.tp or 1, asked.pp or 1, asked.ep or 1) != (1, 1, 1):
+        raise PlanError(f"{what} target is written at tp=1 pp=1 ep=1; got tp={asked.tp} pp={asked.pp} ep={asked.ep}")
+    dp = asked.dp if asked.dp is not None else int(index.meta.get("dp", 1))
+    stage = asked.zero_stage if asked.zero_stage is not None else int(index.meta.get("stage", 1))
     return dp, stage
 
 

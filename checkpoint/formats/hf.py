@@ -332,9 +332,9 @@ def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
 
 
 def _target(index: CheckpointIndex, opts: TargetOptions) -> TargetSpec:
-    if (opts.dp or 1, opts.tp or 1, opts.pp or 1, opts.ep or 1) != (1, 1, 1, 1):
-        raise PlanError(f"HF safetensors hold unsharded weights: no dp/tp/pp/ep; got dp={opts.dp} tp={opts.tp} "
-                        f"pp={opts.pp} ep={opts.ep}")
+    if (opts.layout.dp or 1, opts.layout.tp or 1, opts.layout.pp or 1, opts.layout.ep or 1) != (1, 1, 1, 1):
+        raise PlanError(f"HF safetensors hold unsharded weights: no dp/tp/pp/ep; got dp={opts.layout.dp} tp={opts.layout.tp} "
+                        f"pp={opts.layout.pp} ep={opts.layout.ep}")
     return hf_target(index, arch=opts.arch, model_config=opts.model_config,
                      max_shard_size=opts.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 

@@ -1185,25 +1185,25 @@ class MegatronWriter:
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: Any) -> CheckpointIndex:
-    return read_megatron(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.tp, expect_pp=opts.pp,
-                         expect_ep=opts.ep, expect_dp=opts.dp, model_config=opts.model_config)
+    return read_megatron(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.expect.tp, expect_pp=opts.expect.pp,
+                         expect_ep=opts.expect.ep, expect_dp=opts.expect.dp, model_config=opts.model_config)
 
 
 def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
     """Target layout: given sizes, else the source's (Megatron sources), else 1."""
     def pick(given: int | None, name: str) -> int:
         return given if given is not None else int(index.meta.get(name) or 1) if index.format == FORMAT else 1
-    return megatron_target(index, tp=pick(opts.tp, "tp"), pp=pick(opts.pp, "pp"), dp=pick(opts.dp, "dp"),
-                           ep=pick(opts.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT,)),
+    return megatron_target(index, tp=pick(opts.layout.tp, "tp"), pp=pick(opts.layout.pp, "pp"), dp=pick(opts.layout.dp, "dp"),
+                           ep=pick(opts.layout.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT,)),
                            model_config=opts.model_config)
 
 
 def target_vpp(index: CheckpointIndex, opts: Any, megatron_formats: tuple[str, ...]) -> int:
     """Virtual stages of the target: as given; else the source's when it is a Megatron checkpoint whose
     pipeline size is kept; else 1."""
-    if opts.vpp is not None:
-        return opts.vpp
-    if index.format in megatron_formats and opts.pp in (None, int(index.meta.get("pp") or 1)):
+    if opts.layout.vpp is not None:
+        return opts.layout.vpp
+    if index.format in megatron_formats and opts.layout.pp in (None, int(index.meta.get("pp") or 1)):
         return int(index.meta.get("vpp") or 1)
     return 1
 

@@ -575,8 +575,8 @@ def _optim_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor]) ->
 # ---------------------------------------------------------------- registration
 
 def _read(path: Path, opts: Any) -> CheckpointIndex:
-    return read_megatron_legacy(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.tp, expect_pp=opts.pp,
-                                expect_ep=opts.ep, expect_dp=opts.dp, model_config=opts.model_config)
+    return read_megatron_legacy(path, trust_checkpoint=opts.trust_checkpoint, expect_tp=opts.expect.tp, expect_pp=opts.expect.pp,
+                                expect_ep=opts.expect.ep, expect_dp=opts.expect.dp, model_config=opts.model_config)
 
 
 def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
@@ -585,8 +585,9 @@ def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
 
     def pick(given: int | None, name: str) -> int:
         return given if given is not None else int(index.meta.get(name) or 1) if megatron else 1
-    return megatron_legacy_target(index, tp=pick(opts.tp, "tp"), pp=pick(opts.pp, "pp"), dp=pick(opts.dp, "dp"),
-                                  ep=pick(opts.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT, DIST_FORMAT)),
+    asked = opts.layout
+    return megatron_legacy_target(index, tp=pick(asked.tp, "tp"), pp=pick(asked.pp, "pp"), dp=pick(asked.dp, "dp"),
+                                  ep=pick(asked.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT, DIST_FORMAT)),
                                   model_config=opts.model_config)
 
 

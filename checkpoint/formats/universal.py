@@ -306,8 +306,8 @@ class UniversalWriter:
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:
     index = read_universal(path, trust_checkpoint=opts.trust_checkpoint)
-    if opts.zero_stage is not None and opts.zero_stage != index.meta["stage"]:
-        raise LayoutMismatchError(f"{path}: declared zero stage {opts.zero_stage} but the universal checkpoint was "
+    if opts.expect.zero_stage is not None and opts.expect.zero_stage != index.meta["stage"]:
+        raise LayoutMismatchError(f"{path}: declared zero stage {opts.expect.zero_stage} but the universal checkpoint was "
                                   f"made from stage {index.meta['stage']}")
     return index
 
