@@ -326,7 +326,7 @@ def _rank_save(ctx: Any, run: MegatronLMRun, save_dir: str) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
     from migrate.workload.data import SamplerState
     from migrate.workload.megatron.engine import _loop
 
@@ -383,7 +383,7 @@ def _rank_load_legacy(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> 
     from megatron.core import parallel_state as ps
 
     from checkpoint.state.rng import fingerprint, from_megatron
-    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
     from migrate.workload.megatron.state import (keep_step_on_fully_reshardable_load, rank_rng_state,
                                                  restore_adam_steps, restore_rng, saved_adam_steps)
 
@@ -435,7 +435,7 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from checkpoint.state.rng import fingerprint, from_megatron
-    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
     from migrate.workload.megatron.state import (keep_step_on_fully_reshardable_load, prime_adam_state,
                                                  rank_rng_state, restore_adam_steps, restore_rng, saved_adam_steps)
 
@@ -525,7 +525,7 @@ def _rank_model_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torc
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron.core.utils import unwrap_model
 
-    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
 
     torch.set_num_threads(1)
     with cpu_device_adapter():
@@ -571,7 +571,7 @@ def plain_state(path: str | Path) -> dict[str, torch.Tensor]:
 def _rank_plain(ctx: Any, path: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    from migrate.device.cpu_adapter import cpu_device_adapter
+    from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
 
     with cpu_device_adapter():
         loaded = dist_checkpointing.load_plain_tensors(path)

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from migrate.device import cpu_adapter
-from migrate.device.cpu_adapter import VERIFIED_MEGATRON_CORE, check_megatron_version, cpu_device_adapter, is_cuda_device
+from migrate.workload.megatron import cpu_adapter
+from migrate.workload.megatron.cpu_adapter import (VERIFIED_MEGATRON_CORE, check_megatron_version, cpu_device_adapter,
+                                                  is_cuda_device)
 
 
 def test_verified_version_is_the_installed_megatron_core():

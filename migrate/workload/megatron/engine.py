@@ -7,7 +7,7 @@ initialize model parallel -> seed the RNG tracker -> build one GPTModel chunk pe
 stage -> wrap in DDP -> `get_megatron_optimizer` -> optional `dist_checkpointing.load` ->
 steps through `get_forward_backward_func()` (1F1B / interleaved when pp > 1) -> save
 `<save_dir>/iter_<NNNNNNN>/` and `latest_checkpointed_iteration.txt` (Megatron-LM's layout).
-On CPUs it runs inside `migrate.device.cpu_device_adapter()`.
+On CPUs it runs inside `migrate.workload.megatron.cpu_adapter.cpu_device_adapter()`.
 
 The checkpoint holds `model` (`model0`, `model1`, ... with virtual stages), `optimizer`
 (sharding type `distrib_optim_sharding_type`, default 'dp_reshardable'; 0.16.1's default
@@ -154,7 +154,7 @@ def train_megatron(ctx: Any, spec: RunSpec) -> RankResult:
     torch.set_num_threads(1)
     adapter: contextlib.AbstractContextManager = contextlib.nullcontext()
     if ctx.device_type == "cpu":
-        from migrate.device.cpu_adapter import cpu_device_adapter
+        from migrate.workload.megatron.cpu_adapter import cpu_device_adapter
         adapter = cpu_device_adapter()
     with adapter:
         return _train(ctx, spec)

@@ -1,1 +1,0 @@
-"""Device abstraction: run frameworks that assume CUDA on other devices (the CPU here)."""
