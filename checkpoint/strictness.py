@@ -28,8 +28,9 @@ class Strictness(enum.Enum):
     """What `convert` does with state that does not pass unchanged from the source to the target.
 
     Every member is decided from the plan before a byte is written, so none costs any I/O (unlike
-    Megatron-Core's `StrictHandling`, where the stricter members read the checkpoint's metadata on every
-    rank); re-reading what was written is the separate `verify` check, which costs a full read of both."""
+    Megatron-Core's `StrictHandling`, whose checking members cost an extra disk access before the load and,
+    for missing keys, a metadata exchange between ranks); re-reading what was written is the separate
+    `verify` check, which costs a full read of the source and the output."""
 
     REPORT = "report"
     """Carry what the target format holds and name the rest in the plan summary and the target's state
