@@ -145,19 +145,19 @@ def model_file(tag: str, stage: int, rank: int = 0) -> str:
     return f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else f"{tag}/mp_rank_00_model_states.pt"
 
 
-def _plain(obj: Any) -> Any:
+def plain_data(obj: Any) -> Any:
     """Non-tensor checkpoint values as plain data (torch.Size -> list; enums -> value; objects -> dict)."""
     if isinstance(obj, torch.Tensor):
         raise CheckpointFormatError("unexpected tensor in DeepSpeed metadata")
     if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: plain_data(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [plain_data(v) for v in obj]
     if hasattr(obj, "value") and type(obj).__name__.endswith("Enum"):
         return obj.value
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
         name = getattr(type(obj), "pickle_name", f"{type(obj).__module__}.{type(obj).__qualname__}")
-        return {"__class__": name, **_plain(vars(obj))}
+        return {"__class__": name, **plain_data(vars(obj))}
     return obj
 
 
@@ -257,7 +257,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     if "zero_stage" not in osd0 and not bf16_optimizer:
         raise CheckpointFormatError(f"{tag_dir / optim_names[0]}: {OSD} holds neither zero_stage (ZeRO optimizer) "
                                     f"nor single_partition_of_fp32_groups (BF16_Optimizer): keys {sorted(osd0)}")
-    stage = 1 if bf16_optimizer else int(_plain(osd0["zero_stage"]))
+    stage = 1 if bf16_optimizer else int(plain_data(osd0["zero_stage"]))
     if stage3 != (stage == 3):
         raise LayoutMismatchError(f"{tag_dir}: file layout says {'ZeRO-3' if stage3 else 'ZeRO-1/2'} but "
                                   f"{optim_names[0]} says zero_stage={stage}")
@@ -275,19 +275,19 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
     entries: list[TensorEntry] = []
     for name in buffer_names:
         t = module[name]
-        entries.append(_full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), t))
+        entries.append(full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), t))
     if not stage3:
         for p in [*(p for g in groups for p in g), *frozen]:  # ZeRO-1/2 keep every param whole in the module
-            entries.append(_full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
+            entries.append(full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name),
                                        module[p.name], shape=p.shape))
         entries += _z12_entries(groups, dp, tag, bf16, optim, root, padded_masters=bf16_optimizer)
-        hparams = [_hparams(pg) for pg in osd0["base_optimizer_state"]["param_groups"]]
+        hparams = [group_hparams(pg) for pg in osd0["base_optimizer_state"]["param_groups"]]
     else:
         sub_size = int(model_sd.get("ds_config", {}).get("zero_optimization", {}).get(
             "sub_group_size", DEFAULT_SUB_GROUP_SIZE))
         entries += _z3_entries(groups, dp, tag, bf16, optim, root, sub_size)
         entries += _z3_frozen_entries(frozen, dp, tag, tag_dir, trust_checkpoint)
-        hparams = [_hparams(pg) for pg in osd0[OSD]["param_groups"]]
+        hparams = [group_hparams(pg) for pg in osd0[OSD]["param_groups"]]
     for e in entries:
         e.check_complete()
     loss_scaler = osd0.get("loss_scaler")
@@ -299,7 +299,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         "shared_params": shared, "frozen_params": [(p.name, list(p.shape)) for p in frozen],
         "param_group_hparams": hparams,
         "model_state": {k: v for k, v in model_sd.items() if k not in _STANDARD_MODEL_KEYS + _FROZEN_KEYS},
-        "loss_scaler": None if loss_scaler is None else _plain(loss_scaler),
+        "loss_scaler": None if loss_scaler is None else plain_data(loss_scaler),
         "optimizer_flags": {k: osd0[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in osd0},
         "ds_version": str(optim[0].get("ds_version", model_sd.get("ds_version", ""))),
         "global_steps": model_sd.get("global_steps"),
@@ -319,7 +319,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         meta["hf_trainer"] = trainer
         meta.update({k: trainer[k] for k in ("hf_config", "generation_config") if trainer[k] is not None})
         files += tuple(trainer["files"])
-    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=_plain(meta))
+    return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=files, meta=plain_data(meta))
 
 
 def _model_states_dp(model_sd: Any, where: Path) -> int:
@@ -355,7 +355,7 @@ def _check_rank_files_agree(optim: Sequence[Any], optim_paths: Sequence[Path], s
     per = {str(p): optim[r] for r, p in enumerate(optim_paths)}
     check_agreement("Adam's step per param group", {str(p): steps(r) for r, p in enumerate(optim_paths)})
     for field in ("zero_stage", "partition_count"):
-        check_agreement(field, {p: _plain(o[OSD].get(field)) for p, o in per.items()})
+        check_agreement(field, {p: plain_data(o[OSD].get(field)) for p, o in per.items()})
     check_agreement("ds_version", {p: o.get("ds_version") for p, o in per.items()})
     if z3_model_paths:
         models = {str(p): safe_load.load(p, mmap=True, trust_checkpoint=trust_checkpoint) for p in z3_model_paths}
@@ -449,12 +449,15 @@ def _z3_frozen_entries(frozen: Sequence[Param], dp: int, tag: str, tag_dir: Path
     return entries
 
 
-def _hparams(pg: Mapping[str, Any]) -> dict[str, Any]:
+def group_hparams(pg: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's hyperparameters (lr, betas, ...): everything but its `params`."""
     return {k: v for k, v in pg.items() if k != "params"}
 
 
-def _full_entry(key: TensorKey, file: str, path: KeyPath, t: torch.Tensor,
-                shape: tuple[int, ...] | None = None) -> TensorEntry:
+def full_entry(key: TensorKey, file: str, path: KeyPath, t: torch.Tensor,
+               shape: tuple[int, ...] | None = None) -> TensorEntry:
+    """The entry of a tensor stored whole at `path` of `file` (of `shape`, else its own); raises
+    CheckpointFormatError when the stored tensor has another shape."""
     shape = tuple(t.shape) if shape is None else shape
     if tuple(t.shape) != shape:
         raise LayoutMismatchError(f"{file}: {key.name} has shape {tuple(t.shape)} but param_shapes says {shape}")
@@ -665,7 +668,7 @@ class DeepSpeedWriter:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "model_states":
-            return _model_states(file, buffers, meta)
+            return model_states_object(file, buffers, meta)
         if file.role == "optim_states":
             return _optim_states(file, buffers, meta)
         raise PlanError(f"DeepSpeed writer: unknown file role {file.role!r} for {file.path}")
@@ -765,7 +768,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
         flat_groups.append({"param_group": fg.param_group, "params": [p.name for p in params],
                             "master_numels": list(master_numels), "partition_size": padded, "padding": fg.padding,
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
-    model_state, state_report = _training_state(m, dp=dp, zero_stage=zero_stage)
+    model_state, state_report = target_training_state(m, dp=dp, zero_stage=zero_stage)
     # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
     # writer itself, so the optimizer files are assembled in memory (the in-place path only copies buffers)
     step = None if Kind.STEP in scalar_kinds else derived_step(source)
@@ -869,7 +872,7 @@ def _check_module_covered(m: Mapping[str, Any], groups: Sequence[Sequence[Param]
                         f"stores every module tensor whole and cannot be written without them")
 
 
-def _training_state(m: Mapping[str, Any], *, dp: int, zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def target_training_state(m: Mapping[str, Any], *, dp: int, zero_stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The source's client state and counters for dp target ranks (RNG per rank, data position), and
     the report of the policy applied to each state (`checkpoint.state.training_state`)."""
     target_roles = roles(dp=dp)
@@ -921,13 +924,15 @@ def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
             "train_state": ts}
 
 
-def _ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
+def target_ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The source's DeepSpeed config with the target's ZeRO stage."""
     cfg = copy.deepcopy(dict(meta["model_state"].get("ds_config", {})))
     cfg.setdefault("zero_optimization", {})["stage"] = meta["stage"]
     return cfg
 
 
-def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+def model_states_object(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+    """The object `engine.save_checkpoint` stores in a `*_model_states.pt` file, around the filled buffers."""
     dtype = getattr(torch, meta["dtype"])
     shared, frozen = meta.get("shared_params") or {}, meta.get("frozen_params") or []
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -944,13 +949,15 @@ def _model_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
     else:
         state["frozen_param_shapes"] = state["frozen_param_fragments"] = None
     state["dp_world_size"] = meta["dp"]
-    state["ds_config"] = _ds_config(meta)
+    state["ds_config"] = target_ds_config(meta)
     order = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
              "frozen_param_fragments"]
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
 
 
-def _loss_scaler(meta: Mapping[str, Any]) -> Any:
+def loss_scaler_of(meta: Mapping[str, Any]) -> Any:
+    """The loss scaler object DeepSpeed saved, rebuilt from the index's plain data (a static scale of 1 when
+    the source saved none)."""
     from checkpoint.safe_load import DynamicLossScaler, LossScaler  # DeepSpeed's, without importing deepspeed
 
     spec = meta.get("loss_scaler")
@@ -990,7 +997,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
         if isinstance(hp.get("betas"), list):
             hp["betas"] = tuple(hp["betas"])
     base = {"state": state, "param_groups": groups_hp}
-    scaler = _loss_scaler(meta)
+    scaler = loss_scaler_of(meta)
     if stage == 3:
         osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": scaler,
                "dynamic_loss_scale": flags.get("dynamic_loss_scale", False), "overflow": flags.get("overflow", False),
@@ -1010,7 +1017,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                         mapping[name] = fragment_address(numel=hi - lo, start=so)
             slice_maps.append(mapping)
         # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
-        clip = flags.get("clip_grad", _ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        clip = flags.get("clip_grad", target_ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
         counts = [dp] * len(meta["flat_groups"])
         if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
             osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
@@ -1023,7 +1030,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                    "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
                    "partition_count": counts}
         osd |= {"ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
-    return {OSD: osd, "ds_config": _ds_config(meta), "ds_version": meta["ds_version"]}
+    return {OSD: osd, "ds_config": target_ds_config(meta), "ds_version": meta["ds_version"]}
 
 
 

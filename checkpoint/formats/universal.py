@@ -103,13 +103,13 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
     model_sd = safe_load.load(root / model_rel, mmap=True, trust_checkpoint=trust_checkpoint)
     opt_rel = f"{tag}/{OPTIMIZER_STATE}"
     opt = safe_load.load(root / opt_rel, mmap=True, trust_checkpoint=trust_checkpoint)
-    stage = int(ds._plain(opt.get("zero_stage", 1)))
+    stage = int(ds.plain_data(opt.get("zero_stage", 1)))
     groups = [[ds.Param(name=n, shape=tuple(s)) for n, s in g.items()] for g in model_sd["param_shapes"]]
     module = model_sd["module"]
     buffer_names = list(model_sd.get("buffer_names", []))
     entries: list[TensorEntry] = []
     for name in buffer_names:
-        entries.append(ds._full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), module[name]))
+        entries.append(ds.full_entry(TensorKey(name=name, kind=Kind.PARAM), model_rel, ("module", name), module[name]))
     files = {model_rel, opt_rel}
     z3_step = opt.get(ds.OSD, {}).get("state", {}).get(0, {}).get("step") if isinstance(opt.get(ds.OSD), Mapping) \
         else None
@@ -117,7 +117,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
     for p in (p for g in groups for p in g):
         t = module.get(p.name)
         if isinstance(t, torch.Tensor) and t.numel() == p.numel and t.numel() > 0:
-            entries.append(ds._full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name), t,
+            entries.append(ds.full_entry(TensorKey(name=p.name, kind=Kind.PARAM), model_rel, ("module", p.name), t,
                                           shape=p.shape))
         for kind, stem in STATE_FILES.items():
             rel = state_file(tag, p.name, stem)
@@ -154,7 +154,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
     check_agreement("Adam's step", steps)
     for e in entries:
         e.check_complete()
-    hparams = [ds._hparams(pg) for pg in opt.get("param_groups", [])]
+    hparams = [ds.group_hparams(pg) for pg in opt.get("param_groups", [])]
     if len(hparams) == 0:
         raise CheckpointFormatError(f"{root / opt_rel}: no param_groups")
     model_dtype = next((dtype_name(t.dtype) for t in module.values() if isinstance(t, torch.Tensor)), "float32")
@@ -165,7 +165,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
         "param_groups": [[(p.name, list(p.shape)) for p in g] for g in groups],
         "module_keys": list(module.keys()), "buffer_names": buffer_names, "param_group_hparams": hparams,
         "model_state": {k: v for k, v in model_sd.items() if k not in ds._STANDARD_MODEL_KEYS},
-        "loss_scaler": None if loss_scaler is None else ds._plain(loss_scaler),
+        "loss_scaler": None if loss_scaler is None else ds.plain_data(loss_scaler),
         "optimizer_flags": {k: opt[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in opt},
         "ds_version": str(opt.get("ds_version", model_sd.get("ds_version", ""))),
         "global_steps": model_sd.get("global_steps"),
@@ -179,7 +179,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
         },
     }
     return CheckpointIndex(format=FORMAT, root=str(root), entries=tuple(entries), files=tuple(sorted(files)),
-                           meta=ds._plain(meta))
+                           meta=ds.plain_data(meta))
 
 
 # ---------------------------------------------------------------- writer
@@ -249,7 +249,7 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     files.append(TargetFile(path=model_rel, role="model_states", rank=0, buffers=tuple(model_buffers)))
     files += state_files
     files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers))
-    model_state, state_report = ds._training_state(m, dp=dp, zero_stage=zero_stage)
+    model_state, state_report = ds.target_training_state(m, dp=dp, zero_stage=zero_stage)
     meta = {**m, "model_state": model_state, "state_report": state_report, "stage": zero_stage, "dp": dp,
             "universal_tag": tag}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
@@ -266,7 +266,7 @@ def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str,
     for g in groups:
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
-    out: dict[str, Any] = {"loss_scaler": ds._loss_scaler(meta),
+    out: dict[str, Any] = {"loss_scaler": ds.loss_scaler_of(meta),
                            "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
                            "overflow": flags.get("overflow", False)}
     if stage == 3:
@@ -274,7 +274,7 @@ def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str,
                 ds.OSD: {"state": {0: {"step": ds.step_as_stored(buffers[_Z3_STEP])}},
                          "param_groups": copy.deepcopy(groups)}}
     else:
-        out |= {"clip_grad": flags.get("clip_grad", ds._ds_config(meta).get("gradient_clipping",
+        out |= {"clip_grad": flags.get("clip_grad", ds.target_ds_config(meta).get("gradient_clipping",
                                                                            ds.GRADIENT_CLIPPING_DEFAULT)),
                 "zero_stage": ZeroStageEnum(stage), "partition_count": [meta["dp"]] * len(groups),
                 "ds_version": meta["ds_version"]}
@@ -292,7 +292,7 @@ class UniversalWriter:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "model_states":
-            return ds._model_states(file, buffers, meta)
+            return ds.model_states_object(file, buffers, meta)
         if file.role == "zero_state":
             return {"cat_dim": 0, "param": buffers[("param",)]}
         if file.role == "zero_step":

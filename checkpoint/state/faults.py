@@ -51,7 +51,7 @@ from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE
 from checkpoint.io.sources import load_range
-from checkpoint.state.rng import _generator_state_like, state_hex
+from checkpoint.state.rng import generator_state_like, state_hex
 from checkpoint.state.training_state import CLIENT_STATE_KEY
 
 Fault = Literal["shift_data", "reset_rng", "drop_optimizer", "swap_moments", "reset_lr", "nan_weights", "scale_weights",
@@ -95,8 +95,8 @@ def reset_rng(client: Mapping[str, Any]) -> dict[str, Any]:
             "numpy": {"key": [int(x) for x in np_state["state"]["key"]], "pos": int(np_state["state"]["pos"]),
                       "has_gauss": int(np_state["has_gauss"]), "cached_gaussian": float(np_state["gauss"])},
             "torch": state_hex(torch.Generator().manual_seed(seed).get_state()),
-            "accelerator": [_generator_state_like(h, seed) for h in state.get("accelerator", [])],
-            "trackers": {k: _generator_state_like(h, seed) for k, h in state.get("trackers", {}).items()},
+            "accelerator": [generator_state_like(h, seed) for h in state.get("accelerator", [])],
+            "trackers": {k: generator_state_like(h, seed) for k, h in state.get("trackers", {}).items()},
         })
     out["rng"] = fresh
     return out

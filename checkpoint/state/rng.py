@@ -219,7 +219,7 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
-def _generator_state_like(example_hex: str, seed: int) -> str:
+def generator_state_like(example_hex: str, seed: int) -> str:
     """A generator state seeded with `seed`, in the byte format of `example_hex` (CPU Mersenne
     twister, or the 16-byte Philox seed+offset of CUDA/NPU generators)."""
     if len(example_hex) == 2 * _PHILOX_STATE_BYTES:
@@ -241,13 +241,13 @@ def derive_rng_state(*, seed: int, step: int, role: RankRole, like: Mapping[str,
     for name, example in sorted(like.get("trackers", {}).items()):
         stream = _STREAM_EP if "expert" in name else _STREAM_DP if "data-parallel" in name else _STREAM_TP
         coords = {_STREAM_EP: (role.pp, role.tp, role.ep), _STREAM_DP: (role.pp,)}.get(stream, (role.pp, role.tp))
-        trackers[name] = _generator_state_like(example, _seed(seed, step, stream, *coords))
+        trackers[name] = generator_state_like(example, _seed(seed, step, stream, *coords))
     return {
         "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss},
         "numpy": {"key": [int(x) for x in np_state["state"]["key"]], "pos": int(np_state["state"]["pos"]),
                   "has_gauss": int(np_state["has_gauss"]), "cached_gaussian": float(np_state["gauss"])},
         "torch": state_hex(torch.Generator().manual_seed(base).get_state()),
-        "accelerator": [_generator_state_like(h, base) for h in like.get("accelerator", [])],
+        "accelerator": [generator_state_like(h, base) for h in like.get("accelerator", [])],
         "trackers": trackers,
     }
 

@@ -420,7 +420,7 @@ def _fallback_cell(fb: Fallback, dtype_name: str, numel: int, rank: int, world: 
             outputs = fb.run(rank, world, dtype, numel, device)
             mx.synchronize(device)
             if plan.corrupt is not None and plan.corrupt.matches(fb.name, rank, dtype_name, numel):
-                mx._corrupt(outputs)
+                mx.corrupt_outputs(outputs)
             expected = mx.expected_outputs(fb.replaces, rank, world, numel)
             good, worst, n_bad, first = mx.compare_outputs(
                 outputs, expected, lambda name: mx.tolerance(fb.replaces, dtype, rank, world, numel, name))

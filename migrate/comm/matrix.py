@@ -593,7 +593,9 @@ def compare_outputs(received: Mapping[str, torch.Tensor], expected: Mapping[str,
     return count == 0, worst, count, first
 
 
-def _corrupt(outputs: Outputs) -> None:
+def corrupt_outputs(outputs: Outputs) -> None:
+    """Shift the first element of the first non-empty output (by name) by CORRUPTION_DELTA: the self-check
+    that a wrong result is caught."""
     for name in sorted(outputs):
         t = outputs[name]
         if t.numel():
@@ -632,7 +634,7 @@ def run_cell(check: str, dtype_name: str, numel: int, rank: int, world: int, dev
                 outputs = CHECKS[check].run(rank, world, DTYPES[dtype_name], numel, device)
             synchronize(device)
             if corrupting:
-                _corrupt(outputs)
+                corrupt_outputs(outputs)
     except Exception as exc:  # noqa: BLE001 - the backend's own error is the observation
         return CellObservation(check=check, dtype=dtype_name, numel=numel, rank=rank, status="error",
                                error=f"{type(exc).__name__}: {str(exc).strip()[:600]}",
