@@ -96,3 +96,40 @@ def test_the_product_has_no_import_cycle():
 def test_the_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _private_uses(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """`module._name` and `from module import _name` in `name`'s source where `module` is another product module
+    (a private name used across modules: a helper that should be public, or not used there)."""
+    tree = ast.parse(path.read_text())
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {(a.asname or a.name): a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    aliases[a.asname or a.name] = full
+                elif node.module in modules and a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{name}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != name:
+            found.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    found = [use for name, path in modules.items() for use in _private_uses(name, path, modules)]
+    assert found == []
+
+
+def test_the_private_name_check_finds_both_spellings(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from pkg import other as o\nfrom pkg.other import _helper, public\nx = o._state(1)\n")
+    modules = {"pkg.m": source, "pkg.other": source}
+    assert _private_uses("pkg.m", source, modules) == ["pkg.m: from pkg.other import _helper",
+                                                       "pkg.m: pkg.other._state"]

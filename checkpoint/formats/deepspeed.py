@@ -58,10 +58,10 @@ _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$"
 # DeepSpeed's pipeline-engine layer files and MoE expert / expert-optimizer files (not read here)
 _PIPELINE_OR_MOE_RE = re.compile(r"^(layer_\d+-model_\d+-model_states|layer_\d+_expert_\d+_mp_rank_\d+_model_states"
                                  r"|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
-_STANDARD_MODEL_KEYS = ("module", "param_shapes")
+STANDARD_MODEL_KEYS = ("module", "param_shapes")
 _FROZEN_KEYS = ("frozen_param_shapes", "frozen_param_fragments")  # rebuilt by the writer for the target layout
 # what DeepSpeed's engine itself puts in model_states (everything else is the caller's client state)
-_ENGINE_MODEL_KEYS = frozenset({
+ENGINE_MODEL_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
@@ -298,7 +298,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         "module_keys": list(module.keys()), "buffer_names": buffer_names,
         "shared_params": shared, "frozen_params": [(p.name, list(p.shape)) for p in frozen],
         "param_group_hparams": hparams,
-        "model_state": {k: v for k, v in model_sd.items() if k not in _STANDARD_MODEL_KEYS + _FROZEN_KEYS},
+        "model_state": {k: v for k, v in model_sd.items() if k not in STANDARD_MODEL_KEYS + _FROZEN_KEYS},
         "loss_scaler": None if loss_scaler is None else plain_data(loss_scaler),
         "optimizer_flags": {k: osd0[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in osd0},
         "ds_version": str(optim[0].get("ds_version", model_sd.get("ds_version", ""))),
@@ -306,7 +306,7 @@ def read_deepspeed(path: str | Path, *, tag: str | None = None, trust_checkpoint
         "train_state": {
             "step": model_sd.get("global_steps"),
             "lr_scheduler": model_sd.get("lr_scheduler"),
-            "client": {k: v for k, v in model_sd.items() if k not in _ENGINE_MODEL_KEYS},
+            "client": {k: v for k, v in model_sd.items() if k not in ENGINE_MODEL_KEYS},
             "param_names": [p.name for g in groups for p in g],
             "optimizer_param_groups": hparams,
             "optimizer_group_params": [[p.name for p in g] for g in groups],

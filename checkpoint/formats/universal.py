@@ -164,7 +164,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
         "dtype": model_dtype, "bf16_files": model_dtype == "bfloat16",
         "param_groups": [[(p.name, list(p.shape)) for p in g] for g in groups],
         "module_keys": list(module.keys()), "buffer_names": buffer_names, "param_group_hparams": hparams,
-        "model_state": {k: v for k, v in model_sd.items() if k not in ds._STANDARD_MODEL_KEYS},
+        "model_state": {k: v for k, v in model_sd.items() if k not in ds.STANDARD_MODEL_KEYS},
         "loss_scaler": None if loss_scaler is None else ds.plain_data(loss_scaler),
         "optimizer_flags": {k: opt[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad") if k in opt},
         "ds_version": str(opt.get("ds_version", model_sd.get("ds_version", ""))),
@@ -172,7 +172,7 @@ def read_universal(path: str | Path, *, trust_checkpoint: bool = False) -> Check
         "train_state": {
             "step": model_sd.get("global_steps"),
             "lr_scheduler": model_sd.get("lr_scheduler"),
-            "client": {k: v for k, v in model_sd.items() if k not in ds._ENGINE_MODEL_KEYS},
+            "client": {k: v for k, v in model_sd.items() if k not in ds.ENGINE_MODEL_KEYS},
             "param_names": [p.name for g in groups for p in g],
             "optimizer_param_groups": hparams,
             "optimizer_group_params": [[p.name for p in g] for g in groups],

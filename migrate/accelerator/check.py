@@ -225,7 +225,7 @@ def measure_run(ctx: Any, spec: RunSpec) -> dict[str, Any]:
     import torch
 
     from migrate.accelerator.tensor_peak import cpu_memory_events, tensor_peak
-    from migrate.search.profiler import _PeakRss, _release_freed_memory
+    from migrate.search.profiler import PeakRss, release_freed_memory
     from migrate.workload.engines import rank_entry
 
     entry = rank_entry(spec.engine)
@@ -240,8 +240,8 @@ def measure_run(ctx: Any, spec: RunSpec) -> dict[str, Any]:
                 "reserved_peak_bytes": int(backend.max_memory_reserved() - reserved)}
     from torch.profiler import ProfilerActivity, profile
 
-    _release_freed_memory()
-    with _PeakRss() as rss, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    release_freed_memory()
+    with PeakRss() as rss, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         baseline = rss.peak
         result = entry(ctx, spec)
     measured = tensor_peak(cpu_memory_events(prof.profiler.kineto_results.experimental_event_tree()))

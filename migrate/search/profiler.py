@@ -49,7 +49,7 @@ def run_spec_for(cand: Candidate, model: ModelSpec, train: TrainSpec, steps: int
                    distributed_optimizer=lay.distributed_optimizer, stop_on_nonfinite=False)
 
 
-class _PeakRss:
+class PeakRss:
     """Samples this process's resident set every ``interval_s`` (CPU ranks have no allocator stats)."""
 
     def __init__(self, interval_s: float = 0.002) -> None:
@@ -67,7 +67,7 @@ class _PeakRss:
             self.peak = max(self.peak, self.current())
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> _PeakRss:
+    def __enter__(self) -> PeakRss:
         self.peak = self.current()
         self._thread.start()
         return self
@@ -78,7 +78,7 @@ class _PeakRss:
         self.peak = max(self.peak, self.current())
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Return freed heap pages to the OS so the next run's RSS growth is its own (glibc only)."""
     import ctypes
     import gc
@@ -102,8 +102,8 @@ def profile_rank(ctx: Any, spec: RunSpec) -> dict[str, Any]:
     else:
         import megatron.core  # noqa: F401
     if ctx.device_type == "cpu":
-        _release_freed_memory()
-        with _PeakRss() as rss:
+        release_freed_memory()
+        with PeakRss() as rss:
             baseline = rss.peak
             result = entry(ctx, spec)
         peak = rss.peak - baseline
