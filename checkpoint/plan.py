@@ -332,12 +332,8 @@ class RankSummary:
     bytes_read: int
 
 
-def rank_summaries(plan: ConversionPlan) -> list[RankSummary]:
-    """Files, bytes written (tensor buffers) and bytes read (the source elements each target chunk takes, in
-    the source's dtype) per target rank; needs no copy item."""
-    ranks: dict[int | None, list[Any]] = defaultdict(list)
-    for f in plan.target.files:
-        ranks[f.rank].append(f)
+def bytes_read_by_file(plan: ConversionPlan) -> dict[str, int]:
+    """{target file: the source bytes its chunks take (elements in the source's dtype)}; needs no copy item."""
     read_by_file: dict[str, int] = defaultdict(int)
     if plan.fixed_items is not None:
         for it in plan.fixed_items:
@@ -345,6 +341,16 @@ def rank_summaries(plan: ConversionPlan) -> list[RankSummary]:
     else:
         for path, chunks in plan.chunks_by_file().items():
             read_by_file[path] = sum(c.numel * dtype_size(plan.src_dtypes[e.key]) for e, c in chunks)
+    return dict(read_by_file)
+
+
+def rank_summaries(plan: ConversionPlan) -> list[RankSummary]:
+    """Files, bytes written (tensor buffers) and bytes read (the source elements each target chunk takes, in
+    the source's dtype) per target rank; needs no copy item."""
+    ranks: dict[int | None, list[Any]] = defaultdict(list)
+    for f in plan.target.files:
+        ranks[f.rank].append(f)
+    read_by_file = bytes_read_by_file(plan)
     out = []
     for rank in sorted(ranks, key=lambda r: -1 if r is None else r):
         files = ranks[rank]

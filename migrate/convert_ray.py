@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import CheckpointError
-from checkpoint.plan import TargetFile
+from checkpoint.plan import ConversionPlan, TargetFile, bytes_read_by_file
 
 
 class NodeLostError(CheckpointError):
@@ -59,6 +59,31 @@ def place_files(files: Sequence[TargetFile], nodes: Sequence[str]) -> dict[str, 
             out[f.path] = node
             load[node] += max(f.nbytes, 1)
     return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeBytes:
+    """What one node's tasks wrote: its target ranks, and the plan's bytes read (source elements its files'
+    chunks take) and written (their tensor buffers)."""
+
+    node: str
+    ranks: tuple[int, ...]
+    files: int
+    bytes_read: int
+    bytes_written: int
+
+
+def bytes_by_node(plan: ConversionPlan, placements: Sequence[Placement]) -> list[NodeBytes]:
+    """Per node that wrote files (in `placements`, where they were written): ranks, files and the plan's bytes
+    read and written, in the order of the nodes' first file. Pure."""
+    read = bytes_read_by_file(plan)
+    size = {f.path: f.nbytes for f in plan.target.files}
+    by_node: dict[str, list[Placement]] = {}
+    for p in placements:
+        by_node.setdefault(p.written, []).append(p)
+    return [NodeBytes(node=node, ranks=tuple(sorted({p.rank for p in ps if p.rank is not None})), files=len(ps),
+                      bytes_read=sum(read.get(p.path, 0) for p in ps), bytes_written=sum(size.get(p.path, 0) for p in ps))
+            for node, ps in by_node.items()]
 
 
 def alive_nodes(num_cpus: float = 1.0) -> list[str]:

@@ -10,6 +10,7 @@ and ranks, nothing left at the destination). The cluster is shut down whatever h
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -78,7 +79,7 @@ def main(src: str, work: Path) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from checkpoint.api import LayoutRequest, convert
-    from migrate.convert_ray import alive_nodes, ray_map
+    from migrate.convert_ray import alive_nodes, bytes_by_node, ray_map
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:
@@ -87,8 +88,10 @@ def main(src: str, work: Path) -> dict[str, Any]:
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         result: dict[str, Any] = {"nodes": alive_nodes()}
         mapper = ray_map()
-        convert(src, work / "placed", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3), map_fn=mapper)
+        outcome = convert(src, work / "placed", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3),
+                          map_fn=mapper)
         result["placed"] = [vars_of(p) for p in mapper.placements]
+        result["bytes_by_node"] = [dataclasses.asdict(n) for n in bytes_by_node(outcome.plan, mapper.placements)]
         owner = next(w for w in workers if w.node_id == result["nodes"][0])  # ranks 0-1
         result["node_lost"] = _convert_removing(cluster, owner, src, work / "node_lost", work / "marks1", retries=2)
         cluster.add_node(num_cpus=1)

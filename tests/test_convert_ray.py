@@ -1,6 +1,7 @@
 """Writing a conversion's target files as Ray tasks (embedded Ray session) gives the same files."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -56,3 +57,6 @@ def test_convert_command_uses_ray_when_given_an_address(deepspeed_checkpoint, ra
                                        "--ray-address", "embedded", "--workers", "2", "--verify"])
     assert result.exit_code == 0, result.output
     assert "every tensor equals the source" in result.output
+    # one embedded node wrote both ranks' files: what it read and wrote, from the plan
+    assert re.search(r"ray: \d+ files written by tasks on 1 node\(s\)\n  node \w{12}: ranks 0-1, \d+ files, read "
+                     r"[\d.]+ MiB, wrote [\d.]+ MiB", result.output), result.output

@@ -66,6 +66,12 @@ def test_every_file_is_written_on_the_node_that_owns_its_rank(scenario):
     assert {p["written"] for p in placed if p["rank"] is None} <= {nodes[2]}  # a state report: once, on the idle node
     assert verify_manifest(work / "placed") == []
     assert compare_indexes(read_index(src), read_index(work / "placed")) == []
+    # a dp change reads about what it writes, per node: each node reads only the source ranges its files take
+    per_node = {n["node"]: n for n in result["bytes_by_node"]}
+    assert [per_node[nodes[0]]["ranks"], per_node[nodes[1]]["ranks"]] == [[0, 1], [2, 3]]
+    for n in per_node.values():
+        if n["ranks"]:
+            assert 0.9 * n["bytes_written"] <= n["bytes_read"] <= n["bytes_written"], n
 
 
 @pytest.mark.slow
@@ -95,6 +101,8 @@ def test_without_retries_a_lost_node_fails_naming_its_ranks_and_leaves_nothing(s
     _, work, result = scenario
     failed = result["exhausted"]
     assert "ok" not in failed and failed["error"].startswith("NodeLostError: "), failed
-    assert "after 1 attempt(s) each" in failed["error"] and "(rank 0, planned on node " in failed["error"]
-    assert failed["doomed_node"][:12] in failed["error"]
+    assert "after 1 attempt(s) each" in failed["error"], failed["error"]
+    for path in failed["doomed_started"]:  # the task(s) the node was running when it was lost, named with rank and node
+        rank = 0 if "rank_0_" in path else 1
+        assert f"{path} (rank {rank}, planned on node {failed['doomed_node'][:12]})" in failed["error"], failed["error"]
     assert not (work / "exhausted").exists()

@@ -20,7 +20,7 @@ from checkpoint.strictness import Strictness
 from checkpoint.pools import local_map
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
-from migrate.convert_ray import NodeLostError, RayMap
+from migrate.convert_ray import NodeLostError, RayMap, bytes_by_node
 from migrate.progress import LiveStatus
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -149,10 +149,15 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     kept = f" ({r.resumed} kept from the unfinished run)" if r.resumed else ""
     click.echo(f"wrote {len(r.files)} files{kept}, {r.nbytes / 2**20:.2f} MiB in {r.seconds:.2f} s to {dst}")
     if isinstance(map_fn, RayMap) and map_fn.placements:
-        nodes = sorted({p.written for p in map_fn.placements})
+        nodes = bytes_by_node(outcome.plan, map_fn.placements)
         moved = sum(p.written != p.planned for p in map_fn.placements if p.planned)
         click.echo(f"ray: {len(map_fn.placements)} files written by tasks on {len(nodes)} node(s)"
                    + (f", {moved} on another node than planned (their node was lost)" if moved else ""))
+        for n in nodes:
+            ranks = f"ranks {n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else \
+                f"rank {n.ranks[0]}" if n.ranks else "shared files"
+            click.echo(f"  node {n.node[:12]}: {ranks}, {n.files} files, read {n.bytes_read / 2**20:.2f} MiB, "
+                       f"wrote {n.bytes_written / 2**20:.2f} MiB")
     if verify:
         problems = compare_indexes(outcome.plan.source, read_index(dst))
         for p in problems:

@@ -10,6 +10,7 @@ verification finds a difference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from contextlib import ExitStack
@@ -106,6 +107,7 @@ def _fingerprint(job: Any, options: Any) -> dict[str, Any]:
 def run(ctx: StageContext) -> StageOutcome:
     from checkpoint.api import LayoutRequest, convert, detect_format, read_index
     from checkpoint.strictness import Strictness
+    from migrate.convert_ray import bytes_by_node
     from checkpoint.destination import Existing, State, state_of
     from checkpoint.errors import OtherPlanError
     from checkpoint.pools import local_map
@@ -159,11 +161,13 @@ def run(ctx: StageContext) -> StageOutcome:
     per_rank = [{"rank": s.rank, "files": list(s.files), "bytes_read": s.bytes_read, "bytes_written": s.bytes_written}
                 for s in rank_summaries(outcome.plan)]
     differences = [d.describe() for d in outcome.differences]
+    placed = list(getattr(map_fn, "placements", ()))  # Ray tasks: where each file was written
     placements = [{"path": p.path, "rank": p.rank, "planned_node": p.planned, "written_node": p.written}
-                  for p in getattr(map_fn, "placements", ())]  # Ray tasks: where each file was written
+                  for p in placed]
+    nodes = [dataclasses.asdict(n) for n in bytes_by_node(outcome.plan, placed)] if placed else []
     (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems,
-                                                           "differences": differences, "placements": placements},
-                                                          indent=2))
+                                                           "differences": differences, "placements": placements,
+                                                           "nodes": nodes}, indent=2))
     metrics = {"files": len(result.files), "bytes": result.nbytes, "seconds": round(result.seconds, 3),
                "tensors": len(outcome.plan.target.index.entries), "verify_problems": len(problems),
                "state_differences": len(outcome.differences),
