@@ -6,7 +6,6 @@ their place in that file (kernel file-to-file copies where possible)."""
 
 from __future__ import annotations
 
-import glob
 import io
 import math
 import os
@@ -69,11 +68,21 @@ def temp_path(path: Path) -> Path:
 
 def remove_temps(dest: Path, paths: Iterable[str]) -> None:
     """Remove what a worker lost mid-write (its process or node gone) left beside each of `paths` under
-    `dest`: its temporary files. Only once every worker has returned: a live worker's would go too."""
+    `dest`: its temporary files. Only once every worker has returned: a live worker's would go too.
+    Lists each folder once, whatever the number of files in it."""
+    names_by_folder: dict[Path, set[str]] = {}
     for rel in paths:
         target = dest / rel
-        for stray in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
-            stray.unlink(missing_ok=True)
+        names_by_folder.setdefault(target.parent, set()).add(target.name)
+    for folder, names in names_by_folder.items():
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            name, sep, _ = entry.name.partition(".tmp-")
+            if sep and name.startswith(".") and name[1:] in names:
+                os.unlink(entry.path)
 
 
 def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileRecord:

@@ -154,8 +154,9 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
         click.echo(f"ray: {len(map_fn.placements)} files written by tasks on {len(nodes)} node(s)"
                    + (f", {moved} on another node than planned (their node was lost)" if moved else ""))
         for n in nodes:
-            ranks = f"ranks {n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else \
-                f"rank {n.ranks[0]}" if n.ranks else "shared files"
+            contiguous = n.ranks == tuple(range(n.ranks[0], n.ranks[-1] + 1)) if n.ranks else False
+            ranks = ("shared files" if not n.ranks else f"rank {n.ranks[0]}" if len(n.ranks) == 1 else
+                     f"ranks {n.ranks[0]}-{n.ranks[-1]}" if contiguous else f"ranks {', '.join(map(str, n.ranks))}")
             click.echo(f"  node {n.node[:12]}: {ranks}, {n.files} files, read {n.bytes_read / 2**20:.2f} MiB, "
                        f"wrote {n.bytes_written / 2**20:.2f} MiB")
     if verify:
