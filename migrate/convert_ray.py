@@ -109,8 +109,8 @@ class RayMap:
     jobs go wherever Ray puts them. Results come back in argument order; `placements` tells, per target file,
     the planned and the actual node of the last call. The first task error is raised on the coordinator with
     the task's own exception type (Ray re-raises it as a subclass); a task lost with its node or worker is
-    retried `retries` times, then raises `NodeLostError`. Either way every task still queued or running is
-    cancelled first (force: its worker process is killed), so no task writes on after the conversion failed.
+    retried `retries` times, then raises `NodeLostError`. Either way every task still queued is cancelled and
+    every running one has stopped before the error is raised, so no task writes on after the conversion failed.
     """
 
     def __init__(self, *, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
@@ -139,11 +139,15 @@ class RayMap:
                 refs.append(task.options(**options).remote(fn, *a))
             done = self._gather(refs, args, planned)
         except BaseException:
+            # Not force: killing the worker of a task that has retries left races Ray's own retry ("Tried to
+            # complete task that was not pending" aborts the driver). Queued tasks never start; running ones
+            # are interrupted or finish their file; waiting for all means none writes after we return.
             for ref in refs:
                 try:
-                    ray.cancel(ref, force=True)
+                    ray.cancel(ref, force=False)
                 except Exception:  # noqa: BLE001 - finished or already gone
                     pass
+            ray.wait(refs, num_returns=len(refs))
             raise
         self.placements = [Placement(path=a[0].path, rank=a[0].rank, planned=planned.get(a[0].path, ""), written=node)
                            for a, (node, _) in zip(args, done) if a and isinstance(a[0], TargetFile)]
