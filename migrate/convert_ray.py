@@ -11,12 +11,14 @@ ranks [k·⌈W/N⌉, (k+1)·⌈W/N⌉); files no rank owns (DeepSpeed's `latest`
 the node with the fewest bytes so far. Each task asks for its node with a soft node affinity, so a task whose
 node is lost is retried (`retries` times) on another node; a file is complete or absent (written under a
 temporary name, then renamed), so a retry is idempotent. After the retries the conversion fails naming the
-node and the ranks (`NodeLostError`), and the executor removes what it wrote.
+node and the ranks (`NodeLostError`), and the executor removes what it wrote. Each node is given only as many
+tasks as it runs at once, so a failure stops the conversion without cancelling anything.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,10 +91,17 @@ def bytes_by_node(plan: ConversionPlan, placements: Sequence[Placement]) -> list
 def alive_nodes(num_cpus: float = 1.0) -> list[str]:
     """Ids of the alive nodes with at least `num_cpus` CPUs, ordered by address then id (the same order on
     every call while the cluster does not change)."""
+    return list(task_slots(num_cpus))
+
+
+def task_slots(num_cpus: float = 1.0) -> dict[str, int]:
+    """{node id: how many tasks of `num_cpus` CPUs it runs at once} for the alive nodes that run at least one,
+    in `alive_nodes` order."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus]
-    return [n["NodeID"] for n in sorted(nodes, key=lambda n: (n.get("NodeManagerAddress", ""), n["NodeID"]))]
+    nodes.sort(key=lambda n: (n.get("NodeManagerAddress", ""), n["NodeID"]))
+    return {n["NodeID"]: max(1, int(n["Resources"]["CPU"] // num_cpus)) if num_cpus > 0 else 1 for n in nodes}
 
 
 def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
@@ -106,11 +115,15 @@ class RayMap:
     """A `MapFn` over Ray tasks on the current Ray session (see `ray_cluster.connect`).
 
     Jobs whose first argument is a `TargetFile` (the executor's) are placed by node (`place_files`); other
-    jobs go wherever Ray puts them. Results come back in argument order; `placements` tells, per target file,
-    the planned and the actual node of the last call. The first task error is raised on the coordinator with
-    the task's own exception type (Ray re-raises it as a subclass); a task lost with its node or worker is
-    retried `retries` times, then raises `NodeLostError`. Either way every task still queued is cancelled and
-    every running one has stopped before the error is raised, so no task writes on after the conversion failed.
+    jobs go wherever Ray puts them. Each node is given as many tasks at a time as it runs at once (and all
+    nodes together at most `max_in_flight`); the rest wait on the coordinator, not in Ray's queues. Results
+    come back in argument order; `placements` tells, per target file, the planned and the actual node of the
+    last call. A task lost with its node or worker is retried `retries` times by Ray. The first task error is
+    raised on the coordinator with the task's own exception type (Ray re-raises it as a subclass), a task
+    still lost after its retries as `NodeLostError`; either way no further task is started and every running
+    one has finished before the error is raised, so no task writes after the conversion failed. No task is
+    ever cancelled: `ray.cancel` races the reply of a running task and aborts the driver (Ray's
+    "Tried to complete task that was not pending", ray-project/ray#54260).
     """
 
     def __init__(self, *, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
@@ -120,61 +133,60 @@ class RayMap:
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
         import ray
+        from ray.exceptions import RayError, RayTaskError
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
             raise RuntimeError("ray_map needs a Ray session: call migrate.runtime.ray_cluster.connect(...) first")
+        slots = task_slots(self.num_cpus)
         files = [a[0] for a in args if a and isinstance(a[0], TargetFile)]
-        planned: Mapping[str, str] = place_files(files, alive_nodes(self.num_cpus)) if self.by_node and files else {}
+        planned: Mapping[str, str] = place_files(files, list(slots)) if self.by_node and files and slots else {}
         task = ray.remote(num_cpus=self.num_cpus, max_retries=self.retries, retry_exceptions=False)(_on_node)
+        waiting: dict[str, deque[int]] = {}
+        for i, a in enumerate(args):
+            waiting.setdefault(planned.get(a[0].path, "") if a and isinstance(a[0], TargetFile) else "",
+                               deque()).append(i)
+        width = {node: slots.get(node, 1) if node else max(sum(slots.values()), 1) for node in waiting}
         limit = self.max_in_flight or len(args) or 1
-        refs: list[Any] = []
-        try:
-            for a in args:
-                if len(refs) >= limit:
-                    ray.wait(refs, num_returns=len(refs) - limit + 1)
-                node = planned.get(a[0].path) if a and isinstance(a[0], TargetFile) else None
-                options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node \
-                    else {}
-                refs.append(task.options(**options).remote(fn, *a))
-            done = self._gather(refs, args, planned)
-        except BaseException:
-            # Not force: killing the worker of a task that has retries left races Ray's own retry ("Tried to
-            # complete task that was not pending" aborts the driver). Queued tasks never start; running ones
-            # are interrupted or finish their file; waiting for all means none writes after we return.
-            for ref in refs:
-                try:
-                    ray.cancel(ref, force=False)
-                except Exception:  # noqa: BLE001 - finished or already gone
-                    pass
-            ray.wait(refs, num_returns=len(refs))
-            raise
-        self.placements = [Placement(path=a[0].path, rank=a[0].rank, planned=planned.get(a[0].path, ""), written=node)
-                           for a, (node, _) in zip(args, done) if a and isinstance(a[0], TargetFile)]
-        return [result for _, result in done]
-
-    def _gather(self, refs: list[Any], args: Sequence[tuple[Any, ...]], planned: Mapping[str, str]
-                ) -> list[tuple[str, Any]]:
-        """Every task's (node, result); the lost ones (after their retries) raise NodeLostError naming each."""
-        import ray
-        from ray.exceptions import RayError, RayTaskError
-
-        out: list[tuple[str, Any]] = []
+        busy = dict.fromkeys(waiting, 0)
+        running: dict[Any, tuple[int, str]] = {}
+        done: list[tuple[str, Any]] = [("", None)] * len(args)
         lost: list[str] = []
-        for ref, a in zip(refs, args):
-            try:
-                out.append(ray.get(ref))
-            except RayTaskError:
-                raise  # the task's own error (bad input, disk full): as the local pool raises it
-            except RayError as err:
-                what = (f"{a[0].path} (rank {a[0].rank}, planned on node {planned.get(a[0].path, '?')[:12]})"
-                        if a and isinstance(a[0], TargetFile) else "a task")
-                lost.append(f"{what}: {type(err).__name__}")
-                out.append(("", None))
+        failure: BaseException | None = None
+        try:
+            while running or (failure is None and not lost and any(waiting.values())):
+                for node, queue in waiting.items():
+                    while failure is None and not lost and queue and busy[node] < width[node] and len(running) < limit:
+                        i = queue.popleft()
+                        options = ({"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
+                                   if node else {})
+                        running[task.options(**options).remote(fn, *args[i])] = (i, node)
+                        busy[node] += 1
+                ready, _ = ray.wait(list(running), num_returns=1)
+                for ref in ready:
+                    i, node = running.pop(ref)
+                    busy[node] -= 1
+                    try:
+                        done[i] = ray.get(ref)
+                    except RayTaskError as err:  # the task's own error (bad input, disk full): as a local pool
+                        failure = failure or err
+                    except RayError as err:  # its node or worker lost, after Ray's retries
+                        a = args[i]
+                        what = (f"{a[0].path} (rank {a[0].rank}, planned on node {node[:12] or '?'})"
+                                if a and isinstance(a[0], TargetFile) else "a task")
+                        lost.append(f"{what}: {type(err).__name__}")
+        except BaseException:  # interrupted on the coordinator: let the running tasks finish their files
+            if running:
+                ray.wait(list(running), num_returns=len(running))
+            raise
+        if failure is not None:
+            raise failure
         if lost:
             raise NodeLostError(f"{len(lost)} target file(s) lost with their node or worker after "
                                 f"{self.retries + 1} attempt(s) each: " + "; ".join(lost))
-        return out
+        self.placements = [Placement(path=a[0].path, rank=a[0].rank, planned=planned.get(a[0].path, ""), written=node)
+                           for a, (node, _) in zip(args, done) if a and isinstance(a[0], TargetFile)]
+        return [result for _, result in done]
 
 
 def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
