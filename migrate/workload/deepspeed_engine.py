@@ -13,15 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
-from migrate.workload.long_run import StepProbe
-from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
+from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
+from migrate.workload.loop import StepOutcome, train_loop
+from migrate.workload.metrics import RankResult, ScheduledLR
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.torch_model import build_decoder
 from migrate.workload.train_state import CLIENT_STATE_KEY, StepTrace, gather_state, restore_state, seed_rng
@@ -46,13 +45,6 @@ def deepspeed_config(spec: RunSpec, dp: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-
-
-def should_save(spec: RunSpec, step: int) -> bool:
-    """Whether to checkpoint after optimizer step `step` (1-based)."""
-    if not spec.save_dir:
-        return False
-    return step == spec.steps or (spec.save_every > 0 and step % spec.save_every == 0)
 
 
 def deepspeed_load_target(path: str) -> tuple[str, str | None]:
@@ -116,55 +108,50 @@ def train_deepspeed(ctx: Any, spec: RunSpec) -> RankResult:
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
     dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
-    log = MetricsLog(spec.metrics_path, enabled=rank == 0)
-    metrics: list[StepMetrics] = []
-    checkpoints: list[str] = []
-    stopped = None
-    trace = StepTrace(enabled=spec.long_run is None)
-    probe = StepProbe(ctx, spec.long_run, device)
-    try:
-        for step in range(start_step, spec.steps):
-            began = time.perf_counter()
-            probe.before_step(step + 1)
-            skipped_before = engine.skipped_steps
-            lr = float(engine.get_lr()[0])
-            global_indices = global_batch_indices(sampler)
-            trace.record(global_indices)
-            micro = rank_micro_batches(global_indices, rank, dp, train.micro_batch_size)
-            total = torch.zeros((), dtype=torch.float64)
-            for indices in micro:
-                tokens, labels = dataset.batch(indices)
-                loss = engine(tokens.to(device), labels.to(device))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().to("cpu", torch.float64)
-            dist.all_reduce(total)
-            grad_norm = engine.get_global_grad_norm()
-            sampler = sampler.advance()
-            record = StepMetrics(
-                step=step + 1, loss=float(total) / (dp * len(micro)),
-                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
-                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
-            metrics.append(record)
-            message = log.write(record)
-            probe.after_step(record, skipped=engine.skipped_steps != skipped_before)
-            if spec.save_dir is not None and should_save(spec, step + 1):
-                tag = f"global_step{step + 1}"
-                state = gather_state(step=step + 1, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=dp,
-                                     role=role, consumed_tokens=sampler.consumed_samples * model_spec.seq_length)
-                state["model"] = dataclasses.asdict(model_spec)  # the architecture, for converters (Megatron)
-                engine.save_checkpoint(spec.save_dir, tag=tag, client_state={CLIENT_STATE_KEY: state})
-                checkpoints.append(os.path.join(spec.save_dir, tag))
-                probe.saved(step + 1, checkpoints[-1])
-            if message and spec.stop_on_nonfinite:
-                stopped = message
-                break
-            if probe.out_of_time():
-                break
-    finally:
-        log.close()
-        probe.close()
-    return RankResult(rank=rank, engine="deepspeed", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped,
-                      extra=trace.extra(rng_restore=rng_note, state_print=loaded))
+    steps = DeepSpeedSteps(engine=engine, spec=spec, dataset=dataset, device=device, rank=rank, dp=dp, role=role)
+    return train_loop(ctx, spec, steps, name="deepspeed", sampler=sampler, start_step=start_step,
+                      trace=StepTrace(enabled=spec.long_run is None), device=device,
+                      extra={"rng_restore": rng_note, "state_print": loaded})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSpeedSteps:
+    """`EngineSteps` of a DeepSpeed engine: its own LR scheduler, `engine.backward`/`engine.step` per
+    micro-batch (DeepSpeed steps the optimizer at the accumulation boundary), `engine.save_checkpoint`."""
+
+    engine: Any
+    spec: RunSpec
+    dataset: TokenDataset
+    device: str
+    rank: int
+    dp: int
+    role: Any
+
+    def learning_rate(self, step: int) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def train_step(self, global_indices: Any) -> StepOutcome:
+        engine, train = self.engine, self.spec.train
+        skipped_before = engine.skipped_steps
+        micro = rank_micro_batches(global_indices, self.rank, self.dp, train.micro_batch_size)
+        total = torch.zeros((), dtype=torch.float64)
+        for indices in micro:
+            tokens, labels = self.dataset.batch(indices)
+            loss = engine(tokens.to(self.device), labels.to(self.device))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().to("cpu", torch.float64)
+        dist.all_reduce(total)
+        grad_norm = engine.get_global_grad_norm()
+        return StepOutcome(loss=float(total) / (self.dp * len(micro)),
+                           grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                           skipped=engine.skipped_steps != skipped_before)
+
+    def save(self, step: int, sampler: SamplerState) -> str:
+        train, model_spec, save_dir = self.spec.train, self.spec.model, str(self.spec.save_dir)
+        tag = f"global_step{step}"
+        state = gather_state(step=step, sampler=sampler, micro_batch_size=train.micro_batch_size, dp=self.dp,
+                             role=self.role, consumed_tokens=sampler.consumed_samples * model_spec.seq_length)
+        state["model"] = dataclasses.asdict(model_spec)  # the architecture, for converters (Megatron)
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state={CLIENT_STATE_KEY: state})
+        return os.path.join(save_dir, tag)

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
-from migrate.workload.long_run import StepProbe
-from migrate.workload.metrics import MetricsLog, RankResult, ScheduledLR, StepMetrics, peak_memory_bytes
+from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
+from migrate.workload.loop import StepOutcome, train_loop
+from migrate.workload.metrics import RankResult, ScheduledLR
 from migrate.workload.model_spec import RunSpec
 from migrate.workload.tensor_parallel import MeshShape, build_mesh, check_tensor_parallel, parallelize
 from migrate.workload.torch_model import build_decoder
@@ -119,56 +118,57 @@ def train_fsdp(ctx: Any, spec: RunSpec) -> RankResult:
                                                          "data": sampler.state_dict()}).as_dict()
     dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
-    log = MetricsLog(spec.metrics_path, enabled=rank == 0)
-    metrics: list[StepMetrics] = []
-    checkpoints: list[str] = []
-    stopped = None
-    trace = StepTrace(enabled=spec.long_run is None)
-    probe = StepProbe(ctx, spec.long_run, device)
-    try:
-        for step in range(start_step, spec.steps):
-            began = time.perf_counter()
-            probe.before_step(step + 1)
-            lr = scheduler.get_last_lr()[0]
-            global_indices = global_batch_indices(sampler)
-            trace.record(global_indices)
-            micro = rank_micro_batches(global_indices, dp_rank, dp, train.micro_batch_size)
-            total = torch.zeros((), dtype=torch.float64)
-            for indices in micro:
-                tokens, labels = dataset.batch(indices)
-                loss = model(tokens.to(device), labels.to(device))
-                (loss / len(micro)).backward()
-                total += loss.detach().to("cpu", torch.float64)
-            if spec.tp == 1:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            else:  # norms and TP-split params are DTensors on different meshes
-                grad_norm = clip_grad_norm(list(model.parameters()), opt.clip_grad)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            dist.all_reduce(total, group=mesh["dp"].get_group())  # the TP ranks of a replica share one loss
-            sampler = sampler.advance()
-            record = StepMetrics(
-                step=step + 1, loss=float(total) / (dp * len(micro)), grad_norm=float(grad_norm), lr=lr,
-                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
-                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
-            metrics.append(record)
-            message = log.write(record)
-            probe.after_step(record)
-            if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
-                path = step_dir(spec.save_dir, step + 1)
-                dcp.save(_state(model, optimizer, scheduler, sampler, step + 1, mesh_shape), checkpoint_id=path)
-                checkpoints.append(path)
-                probe.saved(step + 1, path)
-            if message and spec.stop_on_nonfinite:
-                stopped = message
-                break
-            if probe.out_of_time():
-                break
-    finally:
-        log.close()
-        probe.close()
-    return RankResult(rank=rank, engine="fsdp", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped,
-                      extra=trace.extra(dp=dp, tp=spec.tp, sequence_parallel=spec.sequence_parallel, state_print=loaded))
+    steps = FsdpSteps(model=model, optimizer=optimizer, scheduler=scheduler, spec=spec, dataset=dataset, device=device,
+                      mesh=mesh, mesh_shape=mesh_shape, dp_rank=dp_rank)
+    return train_loop(ctx, spec, steps, name="fsdp", sampler=sampler, start_step=start_step,
+                      trace=StepTrace(enabled=spec.long_run is None), device=device,
+                      extra={"dp": dp, "tp": spec.tp, "sequence_parallel": spec.sequence_parallel,
+                             "state_print": loaded})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FsdpSteps:
+    """`EngineSteps` of an FSDP2 (x DTensor TP) model: torch's AdamW and `ScheduledLR`, gradients averaged over
+    the micro-batches and clipped over every mesh, `dcp.save` in torchtitan's `step-<N>` folders."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: ScheduledLR
+    spec: RunSpec
+    dataset: TokenDataset
+    device: str
+    mesh: Any
+    mesh_shape: MeshShape
+    dp_rank: int
+
+    def learning_rate(self, step: int) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def train_step(self, global_indices: Any) -> StepOutcome:
+        model, spec = self.model, self.spec
+        dp = self.mesh_shape.dp
+        micro = rank_micro_batches(global_indices, self.dp_rank, dp, spec.train.micro_batch_size)
+        total = torch.zeros((), dtype=torch.float64)
+        for indices in micro:
+            tokens, labels = self.dataset.batch(indices)
+            loss = model(tokens.to(self.device), labels.to(self.device))
+            (loss / len(micro)).backward()
+            total += loss.detach().to("cpu", torch.float64)
+        clip = spec.train.optimizer.clip_grad
+        if spec.tp == 1:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        else:  # norms and TP-split params are DTensors on different meshes
+            grad_norm = clip_grad_norm(list(model.parameters()), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        dist.all_reduce(total, group=self.mesh["dp"].get_group())  # the TP ranks of a replica share one loss
+        return StepOutcome(loss=float(total) / (dp * len(micro)), grad_norm=float(grad_norm))
+
+    def save(self, step: int, sampler: SamplerState) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        path = step_dir(str(self.spec.save_dir), step)
+        dcp.save(_state(self.model, self.optimizer, self.scheduler, sampler, step, self.mesh_shape), checkpoint_id=path)
+        return path

@@ -1,7 +1,8 @@
 """What a long run adds inside every rank: per-step time and memory records, a wall-clock limit,
 checkpoint commits with retention, and injected failures and defects (the stability stage's).
 
-Call sequence inside an engine's loop (every rank; a no-op without ``RunSpec.long_run``)::
+Call sequence inside the engines' one loop (``migrate.workload.loop.train_loop``, every rank; a no-op
+without ``RunSpec.long_run``)::
 
     probe = StepProbe(ctx, spec.long_run, device)
     for step in range(start_step, spec.steps):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Any
 from collections.abc import Iterator
 
@@ -26,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from migrate.workload.data import SamplerState, TokenDataset, global_batch_indices, rank_micro_batches
-from migrate.workload.long_run import StepProbe
+from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
+from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.megatron import dist_format, legacy_format
 from migrate.workload.megatron.state import rng_fingerprint, seed_host_rng
-from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
+from migrate.workload.metrics import RankResult
 from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
 from migrate.workload.train_state import StepTrace
 
@@ -214,67 +213,66 @@ def _loop(ctx: Any, spec: RunSpec, chunks: list, optimizer: Any, sampler: Sample
 
     train, model_spec = spec.train, spec.model
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    num_micro = train.grad_accumulation(dp)
     dataset = TokenDataset(seed=train.dataset_seed, size=train.dataset_size, seq_length=model_spec.seq_length,
                            vocab_size=model_spec.vocab_size)
     device = "cpu" if ctx.device_type == "cpu" else ctx.device
-    log = MetricsLog(spec.metrics_path, enabled=ctx.rank == 0)
-    metrics: list[StepMetrics] = []
-    checkpoints: list[str] = []
-    stopped = None
-    trace = _RngTrace(device_type=ctx.device_type, enabled=spec.long_run is None)
-    probe = StepProbe(ctx, spec.long_run, device)
-    try:
-        for step in range(start_step, spec.steps):
-            began = time.perf_counter()
-            probe.before_step(step + 1)
-            lr = lr_at(train.lr_schedule, train.optimizer.lr, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            global_indices = global_batch_indices(sampler)
-            trace.record(global_indices)
-            batches = _micro_batches(dataset, rank_micro_batches(global_indices, dp_rank, dp, train.micro_batch_size))
-            if device != "cpu":
-                batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            iterators = [iter(batches) for _ in chunks]
-            losses = forward_backward(
-                forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
-                seq_length=model_spec.seq_length, micro_batch_size=train.micro_batch_size, forward_only=False)
-            updated, grad_norm, _ = optimizer.step()
-            # Every rank of the last pipeline stage holds its DP shard's losses; average them all.
-            summed = torch.zeros(2, dtype=torch.float64)
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
-                summed[0] = sum(float(item["lm loss"]) for item in losses)
-                summed[1] = len(losses)
-            dist.all_reduce(summed)
-            sampler = sampler.advance()
-            record = StepMetrics(
-                step=step + 1, loss=float(summed[0] / summed[1]),
-                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                tokens=train.global_batch_size * model_spec.seq_length, consumed_samples=sampler.consumed_samples,
-                step_time_s=time.perf_counter() - began, peak_memory_bytes=peak_memory_bytes(device))
-            metrics.append(record)
-            message = log.write(record)
-            probe.after_step(record, skipped=not updated)
-            if spec.save_dir and (step + 1 == spec.steps or (spec.save_every and (step + 1) % spec.save_every == 0)):
-                save = CHECKPOINT_FORMATS[spec.checkpoint_format].save
-                checkpoints.append(save(chunks, optimizer, step + 1, sampler, spec.save_dir,
-                                                   model=model_spec, micro_batch_size=train.micro_batch_size,
-                                                   device_type=ctx.device_type))
-                probe.saved(step + 1, checkpoints[-1])
-            if message and spec.stop_on_nonfinite:
-                stopped = message
-                break
-            if probe.out_of_time():
-                break
-    finally:
-        log.close()
-        probe.close()
-    return RankResult(rank=ctx.rank, engine="megatron", start_step=start_step, metrics=tuple(metrics),
-                      checkpoints=tuple(checkpoints), stopped=stopped,
-                      extra=trace.extra(tp=spec.tp, pp=spec.pp, ep=spec.ep, vpp=spec.vpp, dp=dp,
-                                        distributed_optimizer=spec.distributed_optimizer, state_print=state_print))
+    steps = MegatronSteps(chunks=chunks, optimizer=optimizer, forward_backward=forward_backward, spec=spec,
+                          dataset=dataset, device=device, device_type=ctx.device_type, dp_rank=dp_rank, dp=dp)
+    return train_loop(ctx, spec, steps, name="megatron", sampler=sampler, start_step=start_step,
+                      trace=_RngTrace(device_type=ctx.device_type, enabled=spec.long_run is None), device=device,
+                      extra={"tp": spec.tp, "pp": spec.pp, "ep": spec.ep, "vpp": spec.vpp, "dp": dp,
+                             "distributed_optimizer": spec.distributed_optimizer, "state_print": state_print})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronSteps:
+    """`EngineSteps` of Megatron-Core model chunks: the LR set on the optimizer's groups each step, the
+    pipeline schedule's forward/backward over every micro-batch, the optimizer's own step (it reports a
+    skipped update and the grad norm), the checkpoint format of `spec.checkpoint_format`."""
+
+    chunks: list
+    optimizer: Any
+    forward_backward: Any
+    spec: RunSpec
+    dataset: TokenDataset
+    device: str
+    device_type: str
+    dp_rank: int
+    dp: int
+
+    def learning_rate(self, step: int) -> float:
+        lr = lr_at(self.spec.train.lr_schedule, self.spec.train.optimizer.lr, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def train_step(self, global_indices: Any) -> StepOutcome:
+        from megatron.core import parallel_state as ps
+
+        train, chunks = self.spec.train, self.chunks
+        batches = _micro_batches(self.dataset, rank_micro_batches(global_indices, self.dp_rank, self.dp,
+                                                                  train.micro_batch_size))
+        if self.device != "cpu":
+            batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        iterators = [iter(batches) for _ in chunks]
+        losses = self.forward_backward(
+            forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=train.grad_accumulation(self.dp),
+            seq_length=self.spec.model.seq_length, micro_batch_size=train.micro_batch_size, forward_only=False)
+        updated, grad_norm, _ = self.optimizer.step()
+        # Every rank of the last pipeline stage holds its DP shard's losses; average them all.
+        summed = torch.zeros(2, dtype=torch.float64)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            summed[0] = sum(float(item["lm loss"]) for item in losses)
+            summed[1] = len(losses)
+        dist.all_reduce(summed)
+        return StepOutcome(loss=float(summed[0] / summed[1]),
+                           grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), skipped=not updated)
+
+    def save(self, step: int, sampler: SamplerState) -> str:
+        save = CHECKPOINT_FORMATS[self.spec.checkpoint_format].save
+        return save(self.chunks, self.optimizer, step, sampler, str(self.spec.save_dir), model=self.spec.model,
+                    micro_batch_size=self.spec.train.micro_batch_size, device_type=self.device_type)
