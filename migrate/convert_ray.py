@@ -13,14 +13,23 @@ node is lost is retried (`retries` times) on another node; a file is complete or
 temporary name, then renamed), so a retry is idempotent. After the retries the conversion fails naming the
 node and the ranks (`NodeLostError`), and the executor removes what it wrote. Each node is given only as many
 tasks as it runs at once, so a failure stops the conversion without cancelling anything.
+
+Storage: the source and the destination must be on storage every node mounts at the same path (a shared
+file system). Before the first task, `check_shared_storage` has one task on every node list what it sees
+at those paths (files, sizes, and the content of small files such as the destination's in-progress marker)
+and compares it with the coordinator's view; a node that sees something else (a node-local disk under the
+same path) fails the conversion naming the node and the path, before anything is written there.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import CheckpointError
@@ -29,6 +38,88 @@ from checkpoint.plan import ConversionPlan, TargetFile, bytes_read_by_file
 
 class NodeLostError(CheckpointError):
     """Target files whose task failed on a lost node (or worker) after every retry; names the nodes and ranks."""
+
+
+class SharedStorageError(CheckpointError):
+    """A node of the cluster does not see the source or the destination as the coordinator does."""
+
+
+SMALL_FILE = 64 << 10  # files up to this size are compared by content (CRC-32) too, not only by size
+
+FileView = dict[str, tuple[int, int]]  # relative path ("" for a file path itself) -> (size, CRC-32 or -1)
+
+
+def storage_view(paths: Sequence[str]) -> list[FileView | None]:
+    """Per path, what this process sees there: every file under it (recursively, links followed) with its size
+    and, for small files, the CRC-32 of its content; None where the path does not exist."""
+    out: list[FileView | None] = []
+    for path in paths:
+        if not os.path.exists(path):
+            out.append(None)
+            continue
+        files = [("", path)] if os.path.isfile(path) else [
+            (os.path.relpath(os.path.join(d, n), path), os.path.join(d, n))
+            for d, _, names in os.walk(path) for n in names]
+        view: FileView = {}
+        for rel, full in files:
+            try:
+                size = os.stat(full).st_size
+                crc = -1
+                if size <= SMALL_FILE:
+                    with open(full, "rb") as f:
+                        crc = zlib.crc32(f.read())
+            except OSError:
+                size, crc = -1, -1  # a dangling link or a file gone meanwhile: compared as such
+            view[rel] = (size, crc)
+        out.append(view)
+    return out
+
+
+def view_differences(path: str, expected: FileView | None, seen: FileView | None) -> list[str]:
+    """How `seen` (a node's view of `path`) differs from `expected` (the coordinator's), one line per kind of
+    difference with a count and the first file; empty when equal. Pure."""
+    if expected is None:
+        return [] if seen is None else [f"{path} exists there but not on the coordinator"]
+    if seen is None:
+        return [f"{path} does not exist there"]
+    out = []
+    missing = sorted(set(expected) - set(seen))
+    if missing:
+        out.append(f"{path}: {len(missing)} of the coordinator's {len(expected)} files are missing "
+                   f"(first: {missing[0] or path})")
+    changed = sorted(k for k in set(expected) & set(seen) if expected[k] != seen[k])
+    if changed:
+        k = changed[0]
+        out.append(f"{path}: {len(changed)} files differ in size or content (first: {k or path}, "
+                   f"{seen[k][0]} bytes there, {expected[k][0]} on the coordinator)")
+    extra = sorted(set(seen) - set(expected))
+    if extra:
+        out.append(f"{path}: {len(extra)} files the coordinator does not have (first: {extra[0]})")
+    return out
+
+
+def check_shared_storage(paths: Sequence[str | os.PathLike[str]], nodes: Sequence[str], *,
+                         view: Callable[[Sequence[str]], list[FileView | None]] = storage_view) -> None:
+    """Raise SharedStorageError unless every node in `nodes` sees at `paths` what the coordinator sees (`view`
+    run on the coordinator, then in one zero-CPU task pinned to each node); names every node that differs,
+    with what it sees differently."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    absolute = [str(Path(p).absolute()) for p in paths]
+    expected = view(absolute)
+    task = ray.remote(num_cpus=0, max_retries=0)(view)
+    refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+            .remote(absolute) for node in nodes}
+    problems = []
+    for node, ref in refs.items():
+        seen = ray.get(ref)
+        for path, e, s in zip(absolute, expected, seen):
+            problems += [f"node {node[:12]}: {d}" for d in view_differences(path, e, s)]
+    if problems:
+        raise SharedStorageError(f"a Ray conversion reads and writes {' and '.join(absolute)} from every node, "
+                                 f"which must see them as the coordinator does (a shared file system mounted at the "
+                                 f"same path): " + "; ".join(problems))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,9 +218,11 @@ class RayMap:
     """
 
     def __init__(self, *, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
-                 by_node: bool = True) -> None:
+                 by_node: bool = True, shared: Sequence[str | os.PathLike[str]] = ()) -> None:
         self.num_cpus, self.max_in_flight, self.retries, self.by_node = num_cpus, max_in_flight, retries, by_node
+        self.shared = tuple(shared)
         self.placements: list[Placement] = []
+        self.shared_by: list[str] = []  # the nodes seen to share the `shared` paths (last call)
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
         import ray
@@ -139,6 +232,9 @@ class RayMap:
         if not ray.is_initialized():
             raise RuntimeError("ray_map needs a Ray session: call migrate.runtime.ray_cluster.connect(...) first")
         slots = task_slots(self.num_cpus)
+        if self.shared:
+            check_shared_storage(self.shared, list(slots))
+            self.shared_by = list(slots)
         files = [a[0] for a in args if a and isinstance(a[0], TargetFile)]
         planned: Mapping[str, str] = place_files(files, list(slots)) if self.by_node and files and slots else {}
         task = ray.remote(num_cpus=self.num_cpus, max_retries=self.retries, retry_exceptions=False)(_on_node)
@@ -190,6 +286,7 @@ class RayMap:
 
 
 def ray_map(*, num_cpus: float = 1.0, max_in_flight: int | None = None, retries: int = 2,
-            by_node: bool = True) -> RayMap:
-    """A `RayMap` (see there): target files written by Ray tasks placed by node, retried on a lost node."""
-    return RayMap(num_cpus=num_cpus, max_in_flight=max_in_flight, retries=retries, by_node=by_node)
+            by_node: bool = True, shared: Sequence[str | os.PathLike[str]] = ()) -> RayMap:
+    """A `RayMap` (see there): target files written by Ray tasks placed by node, retried on a lost node, after
+    every node was seen to share the `shared` paths."""
+    return RayMap(num_cpus=num_cpus, max_in_flight=max_in_flight, retries=retries, by_node=by_node, shared=shared)

@@ -87,10 +87,11 @@ def main(src: str, work: Path) -> dict[str, Any]:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         result: dict[str, Any] = {"nodes": alive_nodes()}
-        mapper = ray_map()
+        mapper = ray_map(shared=(src, work / "placed"))
         outcome = convert(src, work / "placed", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3),
                           map_fn=mapper)
         result["placed"] = [vars_of(p) for p in mapper.placements]
+        result["shared_by"] = mapper.shared_by
         result["bytes_by_node"] = [dataclasses.asdict(n) for n in bytes_by_node(outcome.plan, mapper.placements)]
         owner = next(w for w in workers if w.node_id == result["nodes"][0])  # ranks 0-1
         result["node_lost"] = _convert_removing(cluster, owner, src, work / "node_lost", work / "marks1", retries=2)

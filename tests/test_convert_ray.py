@@ -10,7 +10,7 @@ from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.verify import compare_indexes
 from migrate.cli import main
-from migrate.convert_ray import ray_map
+from migrate.convert_ray import SharedStorageError, alive_nodes, check_shared_storage, ray_map, storage_view
 
 pytestmark = pytest.mark.slow
 
@@ -60,3 +60,32 @@ def test_convert_command_uses_ray_when_given_an_address(deepspeed_checkpoint, ra
     # one embedded node wrote both ranks' files: what it read and wrote, from the plan
     assert re.search(r"ray: \d+ files written by tasks on 1 node\(s\)\n  node \w{12}: ranks 0-1, \d+ files, read "
                      r"[\d.]+ MiB, wrote [\d.]+ MiB", result.output), result.output
+
+
+def test_a_node_that_sees_other_files_at_the_conversion_paths_stops_it_before_anything_is_written(
+        deepspeed_checkpoint, ray_session, tmp_path):
+    """A node whose disk holds something else under the same path (node-local storage) is named, with what it sees."""
+    src = deepspeed_checkpoint(2, 1).path
+    check_shared_storage([src, tmp_path], alive_nodes())  # the embedded node shares this machine's disk
+
+    def node_local(paths):  # run on the coordinator and, in a task, on the node: there the files are elsewhere
+        import ray
+
+        in_task = ray.get_runtime_context().get_task_id() is not None
+        return storage_view([p.replace(str(tmp_path), str(tmp_path / "elsewhere")) if in_task else p for p in paths])
+
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "marker").write_text("plan 1")
+    with pytest.raises(SharedStorageError) as info:
+        check_shared_storage([src, tmp_path / "dst"], alive_nodes(), view=node_local)
+    node = alive_nodes()[0][:12]
+    assert f"node {node}: {tmp_path / 'dst'} does not exist there" in str(info.value)
+    assert str(src) not in str(info.value).split("same path): ")[1]  # the source is shared: not named
+    (tmp_path / "elsewhere" / "dst").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "dst" / "marker").write_text("plan 2")
+    with pytest.raises(SharedStorageError, match=r"1 files differ in size or content \(first: marker"):
+        check_shared_storage([tmp_path / "dst"], alive_nodes(), view=node_local)
+    # through the converter: the check runs before the first task, and the destination is removed
+    mapper = ray_map(shared=(src, tmp_path / "out"))
+    convert(src, tmp_path / "out", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=1), map_fn=mapper)
+    assert (tmp_path / "out" / "manifest.json").exists() and mapper.shared_by == alive_nodes()

@@ -14,7 +14,7 @@ from checkpoint.api import read_index
 from checkpoint.manifest import verify_manifest
 from checkpoint.plan import TargetBuffer, TargetFile
 from checkpoint.verify import compare_indexes
-from migrate.convert_ray import place_files
+from migrate.convert_ray import place_files, storage_view, view_differences
 from migrate.workload.fixtures import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +39,29 @@ def test_ranks_are_laid_node_major_and_shared_files_go_to_the_least_loaded_node(
         place_files(_files(range(2)), [])
 
 
+def test_a_nodes_view_of_the_storage_is_compared_file_by_file_with_the_coordinators(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir(parents=True)
+    (shared / "a.pt").write_bytes(b"x" * 10)
+    (shared / "sub" / "plan.json").write_text('{"plan": "1"}')
+    local = tmp_path / "local"  # what a node with its own disk under the same path would see
+    (local / "sub").mkdir(parents=True)
+    (local / "sub" / "plan.json").write_text('{"plan": "2"}')  # same size, other content
+    (local / "b.pt").write_bytes(b"y")
+    coordinator, node = storage_view([str(shared)]), storage_view([str(local)])
+    assert coordinator[0] == {"a.pt": (10, coordinator[0]["a.pt"][1]), "sub/plan.json": (13, coordinator[0]["sub/plan.json"][1])}
+    assert view_differences("/ckpt", coordinator[0], coordinator[0]) == []
+    assert view_differences("/ckpt", coordinator[0], node[0]) == [
+        "/ckpt: 1 of the coordinator's 2 files are missing (first: a.pt)",
+        "/ckpt: 1 files differ in size or content (first: sub/plan.json, 13 bytes there, 13 on the coordinator)",
+        "/ckpt: 1 files the coordinator does not have (first: b.pt)"]
+    assert storage_view([str(tmp_path / "absent")]) == [None]
+    assert view_differences("/ckpt", coordinator[0], None) == ["/ckpt does not exist there"]
+    assert view_differences("/ckpt", None, None) == []
+    single = storage_view([str(shared / "a.pt")])[0]
+    assert single is not None and list(single) == [""]
+
+
 @pytest.fixture(scope="module")
 def scenario(deepspeed_checkpoint, tmp_path_factory):
     ck = deepspeed_checkpoint(2, 1)
@@ -60,6 +83,7 @@ def test_every_file_is_written_on_the_node_that_owns_its_rank(scenario):
     src = ck.path
     nodes, placed = result["nodes"], result["placed"]
     assert len(nodes) == 3
+    assert result["shared_by"] == nodes  # each raylet saw the source and destination as the coordinator does
     assert placed and all(p["written"] == p["planned"] for p in placed), placed
     by_rank = {p["rank"]: p["written"] for p in _rank_files(placed)}
     assert [by_rank[r] for r in range(4)] == [nodes[0], nodes[0], nodes[1], nodes[1]]  # 4 ranks, 2 per node

@@ -115,7 +115,7 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             from migrate.runtime.ray_cluster import connect
 
             stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
-            map_fn = ray_map(max_in_flight=max(workers, 1))
+            map_fn = ray_map(max_in_flight=max(workers, 1), shared=(src, dst))
         phases = LiveStatus("convert", dest=dst)
         try:
             outcome = convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep, vpp=vpp,

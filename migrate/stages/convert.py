@@ -132,7 +132,7 @@ def run(ctx: StageContext) -> StageOutcome:
             from migrate.runtime.ray_cluster import connect
 
             stack.enter_context(connect(ray_address))
-            map_fn = ray_map(max_in_flight=options.workers)
+            map_fn = ray_map(max_in_flight=options.workers, shared=(src, dest))
         from_format = detect_format(src)
         to_format = options.to_format or from_format
         # Megatron's layout rules need the architecture, which a DeepSpeed/DCP checkpoint written outside
