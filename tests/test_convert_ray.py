@@ -58,6 +58,7 @@ def test_convert_command_uses_ray_when_given_an_address(deepspeed_checkpoint, ra
     assert result.exit_code == 0, result.output
     assert "every tensor equals the source" in result.output
     # one embedded node wrote both ranks' files: what it read and wrote, from the plan
+    assert "ray: 1 node(s) see the source and the destination as this one does" in result.output
     assert re.search(r"ray: \d+ files written by tasks on 1 node\(s\)\n  node \w{12}: ranks 0-1, \d+ files, read "
                      r"[\d.]+ MiB, wrote [\d.]+ MiB", result.output), result.output
 

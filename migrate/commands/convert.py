@@ -151,6 +151,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     if isinstance(map_fn, RayMap) and map_fn.placements:
         nodes = bytes_by_node(outcome.plan, map_fn.placements)
         moved = sum(p.written != p.planned for p in map_fn.placements if p.planned)
+        if map_fn.shared_by:
+            click.echo(f"ray: {len(map_fn.shared_by)} node(s) see the source and the destination as this one does")
         click.echo(f"ray: {len(map_fn.placements)} files written by tasks on {len(nodes)} node(s)"
                    + (f", {moved} on another node than planned (their node was lost)" if moved else ""))
         for n in nodes:

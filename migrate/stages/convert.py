@@ -167,7 +167,9 @@ def run(ctx: StageContext) -> StageOutcome:
     nodes = [dataclasses.asdict(n) for n in bytes_by_node(outcome.plan, placed)] if placed else []
     (ctx.work_dir / "convert.json").write_text(json.dumps({"ranks": per_rank, "problems": problems,
                                                            "differences": differences, "placements": placements,
-                                                           "nodes": nodes}, indent=2))
+                                                           "nodes": nodes,
+                                                           "storage_shared_by": list(getattr(map_fn, "shared_by", ()))},
+                                                          indent=2))
     metrics = {"files": len(result.files), "bytes": result.nbytes, "seconds": round(result.seconds, 3),
                "tensors": len(outcome.plan.target.index.entries), "verify_problems": len(problems),
                "state_differences": len(outcome.differences),
