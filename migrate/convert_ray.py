@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import CheckpointError
+from checkpoint.io.checksum import file_crc32
 from checkpoint.plan import ConversionPlan, TargetFile, bytes_read_by_file
 
 
@@ -46,7 +46,7 @@ class SharedStorageError(CheckpointError):
 
 SMALL_FILE = 64 << 10  # files up to this size are compared by content (CRC-32) too, not only by size
 
-FileView = dict[str, tuple[int, int]]  # relative path ("" for a file path itself) -> (size, CRC-32 or -1)
+FileView = dict[str, tuple[int, str]]  # relative path ("" for a file path itself) -> (size, CRC-32 or "")
 
 
 def storage_view(paths: Sequence[str]) -> list[FileView | None]:
@@ -64,12 +64,9 @@ def storage_view(paths: Sequence[str]) -> list[FileView | None]:
         for rel, full in files:
             try:
                 size = os.stat(full).st_size
-                crc = -1
-                if size <= SMALL_FILE:
-                    with open(full, "rb") as f:
-                        crc = zlib.crc32(f.read())
+                crc = file_crc32(Path(full)) if size <= SMALL_FILE else ""
             except OSError:
-                size, crc = -1, -1  # a dangling link or a file gone meanwhile: compared as such
+                size, crc = -1, ""  # a dangling link or a file gone meanwhile: compared as such
             view[rel] = (size, crc)
         out.append(view)
     return out
