@@ -103,7 +103,7 @@ def plan_conversion(index: CheckpointIndex, *, to: str, target: LayoutRequest = 
     """Plan `index` into format `to` at the `target` layout (a None axis: the source's, or the format's only
     choice).
 
-    `model_config`: the architecture (ModelSpec-style fields) for targets that need one the source lacks.
+    `model_config`: the architecture (ModelShape-style fields) for targets that need one the source lacks.
     `param_names`: the naming convention a DeepSpeed/DCP target is written in (canonical, hf, torchtitan; default:
     the source's); HF and Megatron targets map canonical names, so a source in another convention is renamed."""
     spec = get_format(to)

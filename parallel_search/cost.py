@@ -29,10 +29,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from checkpoint.layout import OptimizerSharding
+from checkpoint.model_shape import ModelShape
 from parallel_search.memory import stage_params, state_bytes
 from parallel_search.profiles import DeviceProfile
 from parallel_search.space import Candidate
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
 TERMS = ("compute", "bubble", "overhead_megatron", "overhead_deepspeed", "tp_comm", "cp_comm", "ep_comm", "pp_comm",
          "dp_allreduce", "dp_reduce_scatter", "dp_allgather", "zero3_gather", "optimizer")
@@ -80,6 +81,15 @@ def _ring_time(bytes_: float, ranks: int, bw_gbps: float, latency_us: float, fac
 def _bandwidth(device: DeviceProfile, cluster: ClusterShape, span: int) -> float:
     """Link bandwidth for a group whose ranks spread over ``span`` consecutive ranks."""
     return device.intra_node_bandwidth_gbps if span <= cluster.per_node else device.inter_node_bandwidth_gbps
+
+
+def flops_per_token(model: ModelShape) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores,
+    attention counted causal (half the s x s products), as MFU is usually defined."""
+    h, s = model.hidden_size, model.seq_length
+    experts = model.moe_top_k if model.is_moe else 1
+    per_layer = 2 * (model.attention_params_per_layer + experts * model.ffn_params_per_expert) + 2 * s * h
+    return 3.0 * (model.num_layers * per_layer + 2 * h * model.vocab_size)
 
 
 def stage_flops(model: ModelShape, cand: Candidate, last: bool, causal: bool) -> float:
@@ -180,7 +190,7 @@ def cost_terms(model: ModelShape, train: TrainingShape, cluster: ClusterShape, c
         **dp,
         "optimizer": opt_time,
     }
-    flops = model.flops_per_token() * train.global_batch_size * model.seq_length
+    flops = flops_per_token(model) * train.global_batch_size * model.seq_length
     return CostTerms(seconds=seconds, model_flops=flops)
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Literal
 
 from checkpoint.layout import OptimizerSharding
+from checkpoint.model_shape import ModelShape
 from parallel_search.space import Candidate
-from parallel_search.spec import ModelShape, TrainingShape
+from parallel_search.spec import TrainingShape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,12 +78,14 @@ def megatron_args(model: ModelShape, train: TrainingShape, cand: Candidate, *, o
         args += ["--swiglu", "--normalization", "RMSNorm"]
     if model.qkv_bias:
         args += ["--add-qkv-bias"]
-    if model.qk_layernorm:
+    if model.qk_norm:
         args += ["--qk-layernorm"]
     if not model.tied_embeddings:
         args += ["--untie-embeddings-and-output-weights"]
     if model.is_moe:
         args += ["--num-experts", str(model.num_experts), "--moe-router-topk", str(model.moe_top_k)]
+        if model.moe_ffn_hidden_size:
+            args += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
     if cand.sequence_parallel:
         args += ["--sequence-parallel"]
     if lay.sharding is OptimizerSharding.DISTRIBUTED_OPTIMIZER:

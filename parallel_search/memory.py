@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpoint.layout import OptimizerSharding
+from checkpoint.model_shape import ModelShape
 from parallel_search.profiles import DeviceProfile
 from parallel_search.space import Candidate
-from parallel_search.spec import ModelShape, TrainingShape
+from parallel_search.spec import TrainingShape
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "transient")
 
@@ -110,7 +111,7 @@ def layer_activation_bytes(model: ModelShape, train: TrainingShape, cand: Candid
     b, tp, cp = cand.micro_batch_size, lay.tp, lay.cp
     s = model.seq_length / cp
     tokens = s * b
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_size
+    h, f, kv = model.hidden_size, model.layer_ffn_hidden_size, model.kv_size
     e = train.bytes_per_element
     sp = tp if cand.sequence_parallel else 1
     # norm1 input and output, norm2 input and output: replicated over TP unless sequence parallel

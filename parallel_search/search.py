@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any, Protocol
 from collections.abc import Callable, Iterable, Mapping
 
+from checkpoint.model_shape import ModelShape
 from parallel_search.cost import Calibration, CostOptions, CostTerms, cost_terms, fit_calibration, mfu, predict
 from parallel_search.memory import MemoryEstimate, estimate_memory, fits
 from parallel_search.profiles import DeviceProfile
 from parallel_search.space import Candidate, Space, SpaceOptions, enumerate_space
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,8 @@ from typing import Literal
 from collections.abc import Iterator
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from checkpoint.model_shape import ModelShape
+from parallel_search.spec import ClusterShape, SpecError, TrainingShape
 
 Framework = Literal["megatron", "deepspeed"]
 Recompute = Literal["none", "selective", "full"]
@@ -187,6 +188,8 @@ def enumerate_space(model: ModelShape, train: TrainingShape, cluster: ClusterSha
     Candidates that cannot even form a layout (e.g. ep not dividing dp * cp) are rejected
     with the layout's own message.
     """
+    if model.seq_length < 1:
+        raise SpecError(f"model.seq_length={model.seq_length}: the search needs the tokens per sample (>= 1)")
     world = cluster.device_count
     valid: list[Candidate] = []
     rejected: list[Rejected] = []

@@ -32,8 +32,9 @@ from parallel_search.profiles import load_profile
 from parallel_search.report import markdown_table
 from parallel_search.search import (Measurement, Problem, ProfileCache, SearchConfig, plan_space,
                                     rank_analytic, run_search)
+from checkpoint.model_shape import ModelShape
 from parallel_search.space import Candidate, SpaceOptions
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
 BENCH_MODEL = dict(num_layers=6, hidden_size=192, ffn_hidden_size=576, num_attention_heads=6, num_query_groups=6,
                    vocab_size=512, seq_length=128)
@@ -43,7 +44,7 @@ SPACE = SpaceOptions(frameworks=("megatron", "deepspeed"), micro_batch_sizes=(1,
 
 
 def bench_problem(world: int) -> Problem:
-    shape = ModelShape(**BENCH_MODEL, make_vocab_size_divisible_by=1)
+    shape = ModelShape(architecture="llama", **BENCH_MODEL, make_vocab_size_divisible_by=1)
     return Problem(model=shape, train=TrainingShape(global_batch_size=BENCH_GBS, precision="fp32"),
                    cluster=ClusterShape(device_count=world, devices_per_node=world), device=load_profile("cpu"),
                    space=SPACE)
@@ -57,9 +58,10 @@ def exhaustive(problem: Problem, world: int, steps: int, rounds: int, out: Path)
     """Profile every feasible candidate for real, ``rounds`` times round-robin (resuming from the caches)."""
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.search.profiler import WorkloadProfiler
-    from migrate.workload.model_spec import ModelSpec, TrainSpec
+    from checkpoint.model_shape import ModelShape
+    from migrate.workload.model_spec import TrainSpec
 
-    model = ModelSpec(architecture="llama", **BENCH_MODEL)
+    model = ModelShape(architecture="llama", **BENCH_MODEL)
     train = TrainSpec(global_batch_size=BENCH_GBS, precision="fp32")
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     profiler = WorkloadProfiler(lambda: start_worker_group(WorkerGroupSpec(world_size=world, mode="local",
@@ -136,8 +138,8 @@ def evaluate(world: int, steps: int, rounds: int, out: Path) -> dict:
 
 
 def at_scale() -> dict:
-    model = ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                       num_query_groups=8, vocab_size=128256, seq_length=4096)
+    model = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, vocab_size=128256, seq_length=4096, make_vocab_size_divisible_by=128)
     from parallel_search.cost import CostOptions
 
     problem = Problem(model=model, train=TrainingShape(global_batch_size=1024, precision="bf16"),

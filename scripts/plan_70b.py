@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoint.model_shape import ModelShape
 from checkpoint.api import LayoutRequest, plan_conversion
 from checkpoint.formats.megatron_synth import plan_figures, synthetic_index
 from checkpoint.layout import OptimizerSharding, ParallelLayout
-from checkpoint.rules.megatron import ArchSpec
 
-LLAMA_70B = ArchSpec(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+LLAMA_70B = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
                      num_attention_heads=64, num_query_groups=8, vocab_size=128256, make_vocab_size_divisible_by=128)
 SOURCE = ParallelLayout(tp=8, pp=8, dp=16, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
 

@@ -154,10 +154,10 @@ def masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder():
-    from migrate.workload.model_spec import ModelSpec
+    from checkpoint.model_shape import ModelShape
     from migrate.workload.torch_model import build_decoder
 
-    spec = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+    spec = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                      num_query_groups=2, vocab_size=128, seq_length=32)
     tokens = torch.randint(0, spec.vocab_size, (4, spec.seq_length + 1), generator=torch.Generator().manual_seed(5))
     return spec, lambda: build_decoder(spec, 1234), (tokens[:, :-1], tokens[:, 1:])

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from migrate.workload.model_spec import ModelSpec
+from checkpoint.model_shape import ModelShape
 
 
 def _group(world_size: int, engine: str):
@@ -28,14 +28,14 @@ def _group(world_size: int, engine: str):
                                               timeout_s=300, preload=engine_modules(engine)))
 
 
-def deepspeed_loaded(model: ModelSpec, load_dir: str | Path, *, dp: int, zero_stage: int, precision: str
+def deepspeed_loaded(model: ModelShape, load_dir: str | Path, *, dp: int, zero_stage: int, precision: str
                      ) -> tuple[dict[tuple[str, str], torch.Tensor], list[float]]:
     """What DeepSpeed's `load_checkpoint` restores at `dp` ranks: ({(name, kind): full tensor}, Adam steps)."""
     with _group(dp, "deepspeed") as group:
         return group.run(_rank_deepspeed, model, str(load_dir), zero_stage, precision)[0]
 
 
-def _rank_deepspeed(ctx: Any, model: ModelSpec, load_dir: str, zero_stage: int, precision: str) -> Any:
+def _rank_deepspeed(ctx: Any, model: ModelShape, load_dir: str, zero_stage: int, precision: str) -> Any:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -67,7 +67,7 @@ def _rank_deepspeed(ctx: Any, model: ModelSpec, load_dir: str, zero_stage: int, 
     return out, steps
 
 
-def dcp_loaded(model: ModelSpec | dict[str, Any], load_dir: str | Path, *, dp: int, precision: str, layout: str = "nested"
+def dcp_loaded(model: ModelShape | dict[str, Any], load_dir: str | Path, *, dp: int, precision: str, layout: str = "nested"
                ) -> tuple[dict[tuple[str, str], torch.Tensor], list[float]]:
     """What DCP's load into FSDP2 + AdamW restores at `dp` ranks: ({(name, kind): full tensor}, Adam steps);
     the sharded parameters are the fp32 masters (bf16 is FSDP2's compute dtype). `layout` "torchtitan" loads
@@ -78,7 +78,7 @@ def dcp_loaded(model: ModelSpec | dict[str, Any], load_dir: str | Path, *, dp: i
         return group.run(_rank_dcp, model, str(load_dir), precision, layout)[0]
 
 
-def _rank_dcp(ctx: Any, model: ModelSpec, load_dir: str, precision: str, layout: str) -> Any:
+def _rank_dcp(ctx: Any, model: ModelShape, load_dir: str, precision: str, layout: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,

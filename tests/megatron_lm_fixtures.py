@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from checkpoint.model_shape import ModelShape
+from migrate.workload.model_spec import RunSpec, TrainSpec
 
 # Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp; 128 rows at 64 stay 128 at
 # tp 1 and 2, so the unpadded size (which Megatron-LM's args do not record) is not needed there.
-LLAMA = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=64)
 MIXTRAL = dataclasses.replace(LLAMA, architecture="mixtral", ffn_hidden_size=96, num_experts=4, moe_top_k=2)
 GPT = dataclasses.replace(LLAMA, architecture="gpt", num_query_groups=4, norm_eps=1e-6, rotary_base=50000.0)
@@ -68,7 +69,7 @@ class MegatronLMRun:
     bucket_size: int | None = None  # --overlap-grad-reduce --ddp-bucket-size N: several grad buckets per buffer
     distributed_optimizer: bool = True  # --use-distributed-optimizer
     ckpt_format: str = "torch_dist"  # --ckpt-format: torch_dist | torch (legacy: mp_rank_* dirs, distrib_optim.pt)
-    model: ModelSpec | None = None  # another model than the family's tiny default
+    model: ModelShape | None = None  # another model than the family's tiny default
     override_opt_param_scheduler: bool = False  # --override-opt_param-scheduler: the run's own LR schedule
 
     @property

@@ -166,17 +166,18 @@ def test_the_built_in_decoder_is_transformers_qwen(tmp_path, family):
 def test_searched_megatron_arguments_build_the_qwen_model():
     """The search's emitted Megatron-LM arguments carry the switches that build the job's Qwen model."""
     from checkpoint.layout import OptimizerSharding, ParallelLayout
+    from checkpoint.model_shape import ModelShape
     from parallel_search.emit import megatron_args
     from parallel_search.space import Candidate
-    from parallel_search.spec import ModelShape, TrainingShape
+    from parallel_search.spec import TrainingShape
 
-    shape = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=128, seq_length=32)
+    shape = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=128, seq_length=32)
     cand = Candidate(framework="megatron", layout=ParallelLayout(tp=2, dp=1, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER),
                      micro_batch_size=1)
     train = TrainingShape(global_batch_size=8, precision="fp32")
-    for switches, want in (({}, set()), ({"qkv_bias": True}, {"--add-qkv-bias"}),
-                           ({"qk_layernorm": True}, {"--qk-layernorm"})):
+    for switches, want in (({}, set()), ({"architecture": "qwen2"}, {"--add-qkv-bias"}),
+                           ({"architecture": "qwen3"}, {"--qk-layernorm"})):
         args = set(megatron_args(dataclasses.replace(shape, **switches), train, cand))
         assert args & {"--add-qkv-bias", "--qk-layernorm"} == want
 

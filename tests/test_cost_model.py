@@ -6,13 +6,14 @@ import random
 import pytest
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.model_shape import ModelShape
 from parallel_search.cost import TERMS, Calibration, CostOptions, cost_terms, fit_calibration, mfu, predict
 from parallel_search.profiles import load_profile
 from parallel_search.space import Candidate, SpaceOptions, enumerate_space
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
-LLAMA70B = ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                      num_query_groups=8, vocab_size=128256, seq_length=4096)
+LLAMA70B = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                      num_query_groups=8, vocab_size=128256, seq_length=4096, make_vocab_size_divisible_by=128)
 TRAIN = TrainingShape(global_batch_size=1024)
 CLUSTER = ClusterShape(device_count=512, devices_per_node=8)
 NPU = load_profile("ascend-910b")
@@ -72,8 +73,9 @@ def test_zero2_and_zero3_reduce_every_micro_batch_zero1_once_per_step():
 def test_calibration_recovers_hidden_factors_and_improves_ranking():
     """Synthetic truth = analytic terms scaled by unknown factors; after fitting on a few samples the
     calibrated model predicts the others within a few percent (the uncalibrated one does not)."""
-    model = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
-                       num_query_groups=8, vocab_size=32000, seq_length=2048)
+    model = ModelShape(architecture="llama", num_layers=8, hidden_size=1024, ffn_hidden_size=2816,
+                       num_attention_heads=16, num_query_groups=8, vocab_size=32000, seq_length=2048,
+                       make_vocab_size_divisible_by=128)
     train, device = TrainingShape(global_batch_size=64), load_profile("h100")
     cluster = ClusterShape(device_count=16, devices_per_node=8)
     space = enumerate_space(model, train, cluster, SpaceOptions(frameworks=("megatron",), recompute=("none",)))

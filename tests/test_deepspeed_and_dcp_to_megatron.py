@@ -22,13 +22,14 @@ from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.index import CheckpointIndex, Kind
 from checkpoint.materialize import iter_tensors
 from checkpoint.formats.megatron import source_arch
-from checkpoint.rules.megatron import ArchSpec, arch_from_config
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import arch_from_config
 from checkpoint.verify import compare_indexes
 from migrate.cli import main as cli
 from migrate.workload.fixtures import TINY_LLAMA, launch
 from migrate.workload.model_spec import RunSpec
 
-TINY_ARCH = ArchSpec.from_dict(dataclasses.asdict(TINY_LLAMA))
+TINY_ARCH = ModelShape.from_dict(TINY_LLAMA.tensor_fields())  # what a checkpoint records
 HF_TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,
                  "tie_word_embeddings": False}
@@ -37,9 +38,9 @@ HF_TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 6
 def test_model_config_from_hf_and_job_yaml_sections():
     assert arch_from_config(HF_TINY_LLAMA) == TINY_ARCH
     job = {k: v for k, v in dataclasses.asdict(TINY_LLAMA).items() if k != "num_query_groups"} | {"query_groups": 2}
-    assert arch_from_config(job) == TINY_ARCH
+    assert arch_from_config(job) == TINY_LLAMA  # a job's model section is the whole shape
     assert arch_from_config({k: v for k, v in job.items() if k != "make_vocab_size_divisible_by"}) == \
-        dataclasses.replace(TINY_ARCH, make_vocab_size_divisible_by=128)  # the job schema's default
+        dataclasses.replace(TINY_LLAMA, make_vocab_size_divisible_by=128)  # the job schema's default
     mixtral = arch_from_config({**HF_TINY_LLAMA, "model_type": "mixtral", "num_local_experts": 4})
     assert (mixtral.architecture, mixtral.num_experts) == ("mixtral", 4)
     starcoder2 = {"model_type": "starcoder2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -61,7 +62,7 @@ def test_model_config_file_is_an_hf_config_or_a_job_yaml(tmp_path):
     hf.write_text(json.dumps(HF_TINY_LLAMA))
     assert arch_from_config(read_model_config(hf)) == TINY_ARCH
     demo = arch_from_config(read_model_config(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml"))
-    assert demo == dataclasses.replace(TINY_ARCH, make_vocab_size_divisible_by=8)  # the job's model section
+    assert demo == dataclasses.replace(TINY_LLAMA, make_vocab_size_divisible_by=8)  # the job's model section
 
 
 def test_missing_architecture_names_the_option():
@@ -72,7 +73,7 @@ def test_missing_architecture_names_the_option():
     assert source_arch(index, HF_TINY_LLAMA) == TINY_ARCH
     saved = CheckpointIndex(format="deepspeed", root="/ckpt", entries=(), files=(),
                             meta={"train_state": {"client": {"migrate": {"model": dataclasses.asdict(TINY_LLAMA)}}}})
-    assert source_arch(saved) == TINY_ARCH
+    assert source_arch(saved) == TINY_LLAMA  # the engine saves the whole shape
     with pytest.raises(PlanError, match="disagrees"):
         source_arch(saved, {**HF_TINY_LLAMA, "num_hidden_layers": 4})
 
@@ -97,7 +98,7 @@ def test_frameworks_convert_to_megatron_and_megatron_resumes(deepspeed_checkpoin
         dst = tmp_path / f"tp{tp}pp{pp}" / "iter_0000002"
         outcome = convert(load, dst, to="megatron", target=LayoutRequest(dp=1, tp=tp, pp=pp))
         back = read_index(dst)
-        assert (back.meta["tp"], back.meta["pp"], ArchSpec.from_dict(back.meta["arch"])) == (tp, pp, TINY_ARCH)
+        assert (back.meta["tp"], back.meta["pp"], ModelShape.from_dict(back.meta["arch"])) == (tp, pp, TINY_ARCH)
         assert compare_indexes(outcome.plan.source, back) == [], (kind, tp, pp)
         assert {Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ} <= {e.key.kind for e in back.entries}
         group_steps = {pg["step"] for g in back.meta["optimizer_groups"] for pg in g["param_groups"]}

@@ -161,7 +161,7 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path,
     takes no RNG (none crosses frameworks), and its logits are transformers' for the same weights."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from migrate.workload.model_spec import ModelSpec
+    from checkpoint.model_shape import ModelShape
     from tests.megatron_lm_fixtures import MegatronLMRun, finetune_logits, load_megatron_lm, plain_state
 
     src, reference = trainer_checkpoint(run)
@@ -171,7 +171,7 @@ def test_megatron_core_loads_the_conversion_at_tp2(trainer_checkpoint, tmp_path,
     plan = summarize(outcome.plan)
     assert "parameter names: hf -> canonical" in plan and "--override-opt_param-scheduler" in plan
     assert read_index(dst).meta["train_state"]["step"] == 3
-    spec = ModelSpec(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
+    spec = ModelShape(architecture="llama", num_layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
                      ffn_hidden_size=CONFIG["intermediate_size"], num_attention_heads=CONFIG["num_attention_heads"],
                      num_query_groups=CONFIG["num_key_value_heads"], vocab_size=VOCAB,
                      seq_length=CONFIG["max_position_embeddings"],

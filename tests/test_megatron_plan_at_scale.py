@@ -20,9 +20,10 @@ from checkpoint.formats.megatron import FORMAT
 from checkpoint.formats.megatron_synth import plan_figures, synthesize_metadata, synthetic_index
 from checkpoint.index import Kind
 from checkpoint.layout import OptimizerSharding, ParallelLayout
-from checkpoint.rules.megatron import RULES, ArchSpec, canonical_tensors, stacked_shape
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import RULES, canonical_tensors, stacked_shape
 
-LLAMA_70B = ArchSpec(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+LLAMA_70B = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
                      num_attention_heads=64, num_query_groups=8, vocab_size=128256, make_vocab_size_divisible_by=128)
 DIST_OPT = OptimizerSharding.DISTRIBUTED_OPTIMIZER
 
@@ -73,7 +74,7 @@ def test_synthesized_metadata_matches_engine_checkpoint(megatron_checkpoint, src
     ck = megatron_checkpoint(tp, pp, dp, ep=ep, moe=moe, global_batch_size=12)  # shared with test_megatron_convert
     real_index = read_index(ck.path)
     assert real_index.format == FORMAT
-    arch = ArchSpec.from_dict(dict(real_index.meta["arch"]))
+    arch = ModelShape.from_dict(dict(real_index.meta["arch"]))
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, sharding=DIST_OPT)
     md, _ = synthesize_metadata(arch, layout, model_dtype="float32")
     real = FileSystemReader(str(ck.path)).read_metadata()
@@ -97,7 +98,7 @@ def test_virtual_pipeline_and_expert_layouts_plan_from_metadata(src, dst):
     ownership under EP, read back from synthesized metadata: every canonical tensor complete, and the plan
     covers every target element from exactly the source's bytes."""
     moe = src.ep > 1 or dst.ep > 1
-    arch = ArchSpec(architecture="mixtral" if moe else "llama", num_layers=8, hidden_size=32, ffn_hidden_size=48,
+    arch = ModelShape(architecture="mixtral" if moe else "llama", num_layers=8, hidden_size=32, ffn_hidden_size=48,
                     num_attention_heads=4, num_query_groups=2, vocab_size=100, num_experts=4 if moe else 0)
     index = synthetic_index(arch, src, model_dtype="float32")
     got = tuple(index.meta[k] for k in ("tp", "pp", "vpp", "ep", "dp"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.model_shape import ModelShape
 from parallel_search.memory import estimate_memory, fits
 from parallel_search.profiles import load_profile
 from parallel_search.space import Candidate
-from parallel_search.spec import ModelShape, TrainingShape
+from parallel_search.spec import TrainingShape
 
-LLAMA70B = ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                      num_query_groups=8, vocab_size=128256, seq_length=4096)
+LLAMA70B = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                      num_query_groups=8, vocab_size=128256, seq_length=4096, make_vocab_size_divisible_by=128)
 TRAIN = TrainingShape(global_batch_size=1024, precision="bf16")
 NPU = load_profile("ascend-910b")
 
@@ -66,12 +67,13 @@ def test_memory_never_under_predicts_measured_peak_on_the_workloads():
     """Real Gloo runs of the built-in workloads at 2 ranks: predicted >= measured RSS growth."""
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.search.profiler import WorkloadProfiler
-    from migrate.workload.model_spec import ModelSpec, TrainSpec
+    from checkpoint.model_shape import ModelShape
+    from migrate.workload.model_spec import TrainSpec
 
-    model = ModelSpec(architecture="llama", num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
+    model = ModelShape(architecture="llama", num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
                       num_query_groups=2, vocab_size=512, seq_length=64)
-    shape = ModelShape(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=512, seq_length=64, make_vocab_size_divisible_by=1)
+    shape = ModelShape(architecture="llama", num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=512, seq_length=64, make_vocab_size_divisible_by=1)
     train = TrainingShape(global_batch_size=8, precision="fp32")
     cpu = load_profile("cpu")
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -95,8 +97,8 @@ def test_deepspeed_zero1_and_2_count_the_gradient_bucket_they_allocate():
     """DeepSpeed 0.19's ZeRO-1 and ZeRO-2 allocate reduce_bucket_size elements per backward (fp32 staging for
     ZeRO-1, the parameters' dtype for ZeRO-2); the accelerator check's allocator-level CPU measure found the
     ZeRO-1 bucket missing. Accelerators count the whole bucket; the CPU's resident memory only what is touched."""
-    small = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
+    small = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
     train = TrainingShape(global_batch_size=8, precision="bf16")
     ds = {s: Candidate(framework="deepspeed", layout=ParallelLayout(dp=1, sharding=s), micro_batch_size=1)
           for s in (OptimizerSharding.NONE, OptimizerSharding.ZERO1, OptimizerSharding.ZERO2)}

@@ -15,19 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint.formats.megatron import LocalParam, param_flat_pieces
-from checkpoint.rules.megatron import (RULES, ArchSpec, canonical_tensors, expert_range, flat_run_boxes,
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import (RULES, canonical_tensors, expert_range, flat_run_boxes,
                                        matrix_shape, stage_layers, tp_local_cols, tp_local_rows)
 
 ARCHS = {
-    "gpt": ArchSpec(architecture="gpt", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+    "gpt": ModelShape(architecture="gpt", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=4, vocab_size=50, make_vocab_size_divisible_by=4),
-    "llama": ArchSpec(architecture="llama", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+    "llama": ModelShape(architecture="llama", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
                       num_query_groups=2, vocab_size=50, make_vocab_size_divisible_by=4),
-    "mixtral": ArchSpec(architecture="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=48,
+    "mixtral": ModelShape(architecture="mixtral", num_layers=4, hidden_size=32, ffn_hidden_size=48,
                         num_attention_heads=8, num_query_groups=2, vocab_size=50, num_experts=4),
-    "qwen2": ArchSpec(architecture="qwen2", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+    "qwen2": ModelShape(architecture="qwen2", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
                       num_query_groups=4, vocab_size=50, make_vocab_size_divisible_by=4),
-    "qwen3": ArchSpec(architecture="qwen3", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+    "qwen3": ModelShape(architecture="qwen3", num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
                       num_query_groups=2, vocab_size=50, make_vocab_size_divisible_by=4),
 }
 
@@ -45,7 +46,7 @@ def _fused_reference(rule, arch, canon):
     part = "up" if rule.key.endswith("linear_fc1.weight") else ""
     t = canon[name(part)]
     if rule.vocab:
-        return torch.cat([t, torch.zeros(arch.padded_vocab(4) - t.shape[0], t.shape[1])])
+        return torch.cat([t, torch.zeros(arch.padded_vocab_size(4) - t.shape[0], t.shape[1])])
     return t
 
 
@@ -83,7 +84,7 @@ def test_tp_shards_merge_back_to_the_reference(arch_name, tp):
 
 def test_vocab_padding_depends_on_tp_and_divisor():
     arch = ARCHS["llama"]
-    assert [arch.padded_vocab(tp) for tp in (1, 2, 4, 8)] == [52, 56, 64, 64]
+    assert [arch.padded_vocab_size(tp) for tp in (1, 2, 4, 8)] == [52, 56, 64, 64]
     emb = RULES["llama"].model[0]
     assert matrix_shape(emb, arch, 2) == (56, 32)
 
@@ -125,7 +126,7 @@ def test_tied_embeddings_are_one_canonical_tensor():
     from checkpoint.index import Kind
     from checkpoint.layout import ParallelLayout
 
-    tied = ArchSpec(architecture="llama", num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+    tied = ModelShape(architecture="llama", num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                     num_query_groups=2, vocab_size=50, tied_embeddings=True)
     names = {n for n, _ in canonical_tensors(tied)}
     assert "embed_tokens.weight" in names and "lm_head.weight" not in names

@@ -99,7 +99,8 @@ def test_a_candidate_lost_to_a_fault_is_not_cached(tmp_path):
 
 def test_profiler_tells_faults_from_the_candidates_failures():
     from migrate.search.profiler import WorkloadProfiler
-    from migrate.workload.model_spec import ModelSpec, TrainSpec
+    from migrate.workload.fixtures import TINY_LLAMA
+    from migrate.workload.model_spec import TrainSpec
 
     class Group:
         def __init__(self, exc: Exception) -> None:
@@ -115,7 +116,7 @@ def test_profiler_tells_faults_from_the_candidates_failures():
                                              RankFailure(0, "node", "exception", "RuntimeError: Connection reset")])
     oom = WorkerGroupError("profile_rank", [RankFailure(0, "node", "exception", "RuntimeError: CUDA out of memory")])
     raised = WorkerGroupError("profile_rank", [RankFailure(0, "node", "exception", "ValueError: bad shape")])
-    model, train = ModelSpec(), TrainSpec()
+    model, train = TINY_LLAMA, TrainSpec()
     cand = _candidate()
     for exc, fault in ((died, True), (oom, False), (raised, False)):
         m = WorkloadProfiler(lambda exc=exc: Group(exc), model, train)(cand, 2)

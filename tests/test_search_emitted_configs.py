@@ -9,13 +9,14 @@ import pytest
 import yaml
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.model_shape import ModelShape
 from migrate.job.schema import LayoutSection
 from parallel_search.emit import Recipe, deepspeed_config, job_target_layout, megatron_args, write_configs
 from parallel_search.space import Candidate
-from parallel_search.spec import ModelShape, TrainingShape
+from parallel_search.spec import TrainingShape
 
-SHAPE = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                   vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
+SHAPE = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1)
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = TrainingShape(global_batch_size=8, precision="fp32")
 
@@ -119,10 +120,11 @@ def _megatron_candidates() -> list[tuple[ModelShape, Candidate]]:
     from parallel_search.space import SpaceOptions, enumerate_space
     from parallel_search.spec import ClusterShape
 
-    moe = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
+    moe = ModelShape(architecture="mixtral", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                     num_query_groups=4,
                      vocab_size=128, seq_length=32, make_vocab_size_divisible_by=1, num_experts=4, moe_top_k=2)
-    dense = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=128, seq_length=64, make_vocab_size_divisible_by=1)
+    dense = ModelShape(architecture="llama", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=128, seq_length=64, make_vocab_size_divisible_by=1)
     out = []
     for model, world, precision in ((dense, 8, "bf16"), (moe, 8, "bf16"), (dense, 6, "fp32")):
         space = enumerate_space(model, TrainingShape(global_batch_size=24 if world == 6 else 16, precision=precision),

@@ -10,14 +10,15 @@ import time
 
 import pytest
 
+from checkpoint.model_shape import ModelShape
 from parallel_search.cost import Calibration, predict
 from parallel_search.profiles import load_profile
 from parallel_search.search import Measurement, Problem, ProfileCache, SearchConfig, plan_space, run_search
 from parallel_search.space import SpaceOptions
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
-MODEL = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=8,
-                   vocab_size=32000, seq_length=2048)
+MODEL = ModelShape(architecture="llama", num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
+                   num_query_groups=8, vocab_size=32000, seq_length=2048, make_vocab_size_divisible_by=128)
 PROBLEM = Problem(model=MODEL, train=TrainingShape(global_batch_size=64),
                   cluster=ClusterShape(device_count=16, devices_per_node=8),
                   device=load_profile("h100"), space=SpaceOptions(recompute=("none",), context_parallel=(1,)))

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.model_shape import ModelShape
 from parallel_search.space import Candidate, SpaceOptions, candidate_problems, enumerate_space
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
-LLAMA70B = ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                      num_query_groups=8, vocab_size=128256, seq_length=4096)
-TINY_MOE = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=128, seq_length=32, num_experts=4, moe_top_k=2)
+LLAMA70B = ModelShape(architecture="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                      num_query_groups=8, vocab_size=128256, seq_length=4096, make_vocab_size_divisible_by=128)
+TINY_MOE = ModelShape(architecture="mixtral", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=128, seq_length=32, num_experts=4, moe_top_k=2,
+                      make_vocab_size_divisible_by=128)
 
 
 def test_every_valid_candidate_obeys_the_rules_and_covers_the_world():
@@ -48,8 +50,8 @@ def test_moe_space_has_expert_parallel_candidates_and_dense_has_none():
     train, cluster = TrainingShape(global_batch_size=16), ClusterShape(device_count=4, devices_per_node=4)
     moe = enumerate_space(TINY_MOE, train, cluster, SpaceOptions(recompute=("none",)))
     assert {c.layout.ep for c in moe.valid} == {1, 2, 4}
-    dense = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=128, seq_length=32)
+    dense = ModelShape(architecture="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=128)
     assert {c.layout.ep for c in enumerate_space(dense, train, cluster).valid} == {1}
 
 

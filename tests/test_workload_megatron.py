@@ -1,14 +1,16 @@
 """Training Megatron-Core's GPTModel on Gloo through the CPU device adapter: TP, PP, TP x DP,
 EP with MoE, DistributedOptimizer, torch_dist checkpoints Megatron-Core reloads, bit-identical resume."""
+import dataclasses
 import json
 import os
 
 import pytest
 
+from checkpoint.model_shape import ModelShape
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
 from migrate.workload.megatron.engine import check_sequence_parallel, transformer_config
 from migrate.workload.megatron.state import resolve_load_dir, saved_adam_steps
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from migrate.workload.model_spec import RunSpec, TrainSpec
 
 
 def _spec(model=TINY_LLAMA, **kw):
@@ -44,7 +46,7 @@ def test_layout_that_does_not_divide_the_world_is_rejected():
 
 def test_sequence_parallel_layouts_are_checked_before_megatron_starts():
     check_sequence_parallel(_spec(steps=1, tp=2, sequence_parallel=True), "cpu")  # runs on the CPU now
-    odd = ModelSpec(seq_length=30)
+    odd = dataclasses.replace(TINY_LLAMA, seq_length=30)
     with pytest.raises(ValueError, match=r"tp\(4\) does not divide model.seq_length\(30\)"):
         check_sequence_parallel(_spec(model=odd, steps=1, tp=4, sequence_parallel=True), "cpu")
     with pytest.raises(ValueError, match=r"MoE with ep\(2\) and tp\(2\) needs sequence_parallel"):
@@ -59,7 +61,8 @@ def test_norms_are_torch_norms_marked_for_sequence_parallel():
     config = transformer_config(TINY_LLAMA, _spec(steps=1, tp=2, sequence_parallel=True), 2)
     norm = SequenceParallelTorchNorm(config, 64, eps=1e-5)
     assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
-    plain = SequenceParallelTorchNorm(transformer_config(ModelSpec(architecture="gpt"), _spec(steps=1, tp=2), 2), 64)
+    gpt = dataclasses.replace(TINY_LLAMA, architecture="gpt")
+    plain = SequenceParallelTorchNorm(transformer_config(gpt, _spec(steps=1, tp=2), 2), 64)
     assert isinstance(plain, torch.nn.LayerNorm) and not any(p.sequence_parallel for p in plain.parameters())
 
 
@@ -130,8 +133,8 @@ def test_megatron_trains_saves_torch_dist_and_resumes_bit_identically(tmp_path, 
 @pytest.mark.slow
 def test_virtual_pipeline_stages_resume_bit_identically(tmp_path):
     """PP2 x vPP2 (interleaved 1F1B): both model chunks per rank saved in torch_dist, reloaded by dist_checkpointing."""
-    model = ModelSpec(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=128, seq_length=32)
+    model = ModelShape(architecture="llama", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=128, seq_length=32)
     full = launch(_spec(model=model, steps=4, pp=2, vpp=2, save_dir=str(tmp_path), save_every=2), 2)
     losses = full[0].losses
     assert all(r.losses == losses for r in full) and losses[-1] < losses[0], losses

@@ -1,10 +1,13 @@
 """Training the built-in decoder with DTensor tensor parallelism (+ FSDP2 on the dp axis) on Gloo:
 tp2 matches tp1, DCP checkpoints resume bit-identically, DCP's resharding load moves a checkpoint
 between (dp, tp) layouts, and the DCP reader indexes TP chunks."""
+import dataclasses
+
 import pytest
 
+from checkpoint.model_shape import ModelShape
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from migrate.workload.model_spec import RunSpec, TrainSpec
 from migrate.workload.tensor_parallel import MeshShape, check_tensor_parallel, tp_plan
 
 TOL = 1e-5  # fp32: TP splits matmul reductions, so losses agree to rounding, not bit for bit
@@ -33,7 +36,7 @@ def test_plan_splits_attention_and_mlp_columns_then_rows():
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             assert isinstance(plan[f"layers.{i}.{name}"], RowwiseParallel), name
     assert not any(isinstance(p, SequenceParallel) for p in plan.values())
-    sp = tp_plan(ModelSpec(architecture="gpt"), sequence_parallel=True)
+    sp = tp_plan(dataclasses.replace(TINY_LLAMA, architecture="gpt"), sequence_parallel=True)
     assert "layers.0.mlp.gate_proj" not in sp
     assert isinstance(sp["layers.1.input_layernorm"], SequenceParallel) and isinstance(sp["norm"], SequenceParallel)
     assert sp["layers.0.self_attn.o_proj"].output_layouts == (Shard(1),)
@@ -43,11 +46,11 @@ def test_layouts_tp_cannot_split_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"tp\(4\) does not divide num_query_groups\(2\)"):
         check_tensor_parallel(TINY_LLAMA, 4, False)
     with pytest.raises(ValueError, match=r"seq_length\(30\)"):
-        check_tensor_parallel(ModelSpec(seq_length=30), 4, True)
+        check_tensor_parallel(dataclasses.replace(TINY_LLAMA, seq_length=30), 4, True)
     with pytest.raises(ValueError, match="dense models"):
         check_tensor_parallel(TINY_MIXTRAL, 2, False)
     with pytest.raises(ValueError, match="tied_embeddings"):
-        check_tensor_parallel(ModelSpec(tied_embeddings=True), 2, False)
+        check_tensor_parallel(dataclasses.replace(TINY_LLAMA, tied_embeddings=True), 2, False)
     check_tensor_parallel(TINY_MIXTRAL, 1, False)
 
 
@@ -102,7 +105,7 @@ def test_tp2_dp2_sequence_parallel_resumes_bit_identically_and_reshards_through_
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,tol", [("gpt", "fp32", TOL), ("llama", "bf16", 1e-3)])
 def test_sequence_parallel_matches_tp1_for_layernorm_with_bias_and_in_bf16(arch, dtype, tol):
-    model = ModelSpec(architecture=arch, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+    model = ModelShape(architecture=arch, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                       num_query_groups=2, vocab_size=128, seq_length=32)
     train = TrainSpec(precision=dtype)
     sp = launch(RunSpec(engine="fsdp", model=model, train=train, steps=3, tp=2, sequence_parallel=True), 2)[0].losses

@@ -36,7 +36,7 @@ class ReadOptions:
 class TargetOptions:
     """The target `layout` (a `None` axis: the source's, or the format's only choice) and what else a target
     builder needs: `arch` names the HF parameter-name map;
-    `model_config` gives the architecture (ModelSpec-style fields: architecture, num_layers, hidden_size,
+    `model_config` gives the architecture (ModelShape-style fields: architecture, num_layers, hidden_size,
     ...) to targets whose layout rules need it when the source does not carry it (Megatron).
     """
 

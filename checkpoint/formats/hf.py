@@ -164,7 +164,7 @@ def _st_dtype(code: str, file: Path, name: str) -> str:
 
 
 def _client_model(source: CheckpointIndex) -> Mapping[str, Any] | None:
-    """The model spec the built-in engines save (ModelSpec fields): as a Megatron reader found it (meta
+    """The model spec the built-in engines save (ModelShape fields): as a Megatron reader found it (meta
     `model_spec`), else in the client state (DeepSpeed, DCP); None when there is none."""
     if isinstance(source.meta.get("model_spec"), Mapping):
         return source.meta["model_spec"]
@@ -175,7 +175,7 @@ def _client_model(source: CheckpointIndex) -> Mapping[str, Any] | None:
 def target_config(source: CheckpointIndex, model_config: Mapping[str, Any] | None, *, vocab_rows: int,
                   dtype: str) -> tuple[dict[str, Any], str]:
     """The target's `config.json` and where it came from: a given HF config as it is, or one built from given
-    ModelSpec-style fields; else the source's own config.json; else built from Megatron-LM's args or the
+    ModelShape-style fields; else the source's own config.json; else built from Megatron-LM's args or the
     built-in engines' model spec. Raises PlanError naming what is missing."""
     if model_config is not None:
         if "model_type" in model_config:

@@ -56,7 +56,7 @@ def _need(d: Mapping[str, Any], field: str, origin: str) -> Any:
 
 
 def fields_from_model_spec(spec: Mapping[str, Any], *, origin: str) -> ModelFields:
-    """From ModelSpec-style fields (the built-in engines' saved spec, a job's `model` section)."""
+    """From ModelShape-style fields (the built-in engines' saved spec, a job's `model` section)."""
     heads = int(_need(spec, "num_attention_heads", origin))
     return ModelFields(
         architecture=str(_need(spec, "architecture", origin)), num_layers=int(_need(spec, "num_layers", origin)),

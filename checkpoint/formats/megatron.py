@@ -53,7 +53,8 @@ from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_me
 from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state,
                                              our_client_state, report_dict)
-from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, ArchSpec, TensorRule, arch_from_config, canonical_name,
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, TensorRule, arch_from_config, canonical_name,
                                        canonical_shape, canonical_tensors, expert_range, flat_run_boxes, hf_order,
                                        holds_model_tensor,
                                        holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
@@ -137,7 +138,7 @@ class _Piece:
     storage_offset: int
 
 
-def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | None, rows: tuple[int, int],
+def _pieces(rule: TensorRule, arch: ModelShape, layer: int | None, expert: int | None, rows: tuple[int, int],
             cols: tuple[int, int] | None, start: int) -> list[_Piece]:
     """Canonical pieces of a contiguous stored block: global matrix rows (start, n) x cols (c0, nc), or for a
     vector (cols None: a norm, or a fused QKV bias split per query group like its weight's rows) its elements
@@ -159,7 +160,7 @@ def _pieces(rule: TensorRule, arch: ArchSpec, layer: int | None, expert: int | N
     return out
 
 
-def box_pieces(rule: TensorRule, arch: ArchSpec, offsets: tuple[int, ...], lengths: tuple[int, ...],
+def box_pieces(rule: TensorRule, arch: ModelShape, offsets: tuple[int, ...], lengths: tuple[int, ...],
                start: int = 0) -> list[_Piece]:
     """Canonical pieces of a stored chunk that is the box (offsets, lengths) of the stacked key tensor."""
     lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
@@ -205,7 +206,7 @@ class LocalParam:
         return math.prod(self.shape)
 
 
-def domain_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
+def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
                   vp_stage: int, ep_rank: int, experts: bool) -> list[LocalParam]:
     """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order.
 
@@ -256,7 +257,7 @@ def bucket_offsets(params: list[LocalParam]) -> tuple[list[tuple[LocalParam, int
     return placed, end
 
 
-def separate_bucket_keys(arch: ArchSpec, pp: int) -> frozenset[str]:
+def separate_bucket_keys(arch: ModelShape, pp: int) -> frozenset[str]:
     """Keys whose param Megatron-Core's DistributedOptimizer buckets alone: the shared embedding and the
     last stage's output copy of tied embeddings at PP > 1 (`shared_embedding`)."""
     return frozenset({"embedding.word_embeddings.weight", OUTPUT_KEY}) if arch.tied_embeddings and pp > 1 \
@@ -287,7 +288,7 @@ def buffer_buckets(params: list[LocalParam], separate: frozenset[str] = frozense
     return buckets
 
 
-def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: int) -> list[_Piece]:
+def param_flat_pieces(arch: ModelShape, p: LocalParam, lo: int, hi: int, start: int) -> list[_Piece]:
     """Canonical pieces of elements [lo, hi) of local param `p`, the element lo stored at `start`."""
     out = []
     for offs, lens, first in flat_run_boxes(p.shape, lo, hi):
@@ -307,15 +308,15 @@ def param_flat_pieces(arch: ArchSpec, p: LocalParam, lo: int, hi: int, start: in
 # ---------------------------------------------------------------- reader
 
 def arch_of_common(common: Mapping[str, Any], where: Path,
-                   model_config: Mapping[str, Any] | None = None) -> tuple[ArchSpec, list[str]]:
+                   model_config: Mapping[str, Any] | None = None) -> tuple[ModelShape, list[str]]:
     """The architecture of a Megatron checkpoint and the fields `model_config` overrode: the built-in engine's
     spec (`migrate.model`), else Megatron-LM's `args`, each overridden by a given `model_config` (an HF
-    config.json or ModelSpec-style fields); `model_config` alone when the checkpoint holds neither. Raises
+    config.json or ModelShape fields); `model_config` alone when the checkpoint holds neither. Raises
     CheckpointFormatError naming the file and what is missing."""
     given = None if model_config is None else arch_from_config(model_config, where="--model-config")
     model = (common.get("migrate") or {}).get("model")
     if isinstance(model, Mapping):
-        saved = ArchSpec.from_dict(dict(model))
+        saved = ModelShape.from_dict(dict(model))
     elif common.get("args") is not None:
         saved = arch_from_args(common["args"], where=f"{where}: args")
     elif given is not None:
@@ -382,7 +383,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     rules = RULES[arch.architecture].by_key()
     tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
     vocab_key = OUTPUT_KEY if OUTPUT_KEY in tensors else "embedding.word_embeddings.weight"  # tied: one tensor
-    out_rows = tensors[vocab_key].size[0] if vocab_key in tensors else arch.padded_vocab(1)
+    out_rows = tensors[vocab_key].size[0] if vocab_key in tensors else arch.padded_vocab_size(1)
     layout = _infer_layout(tensors, storage, common, root)
     for name, want, got in (("tp", expect_tp, layout["tp"]), ("pp", expect_pp, layout["pp"]),
                             ("ep", expect_ep, layout["ep"]), ("dp", expect_dp, layout["dp"])):
@@ -431,7 +432,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
         shape, dtype, chunks = acc[key]
         entries.append(TensorEntry(key=key, shape=shape, dtype=dtype, chunks=tuple(chunks)))
     _dedupe_check(entries, root)
-    meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout,
+    meta = {"arch": arch.tensor_fields(), **layout,
             "sharding": sharding, "common": _common_meta(common), "arch_overrides": overridden,
             "vocab_padded": _vocab_from_padded_args(common, overridden),
             "megatron_args": args_summary(common.get("args")), "model_spec": saved_model_spec(common),
@@ -512,7 +513,7 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
     return {"tp": tp, "pp": pp, "vpp": len(gbufs) // len(dtypes) if gbufs else None, "ep": ep, "dp": dp}
 
 
-def grad_buffers(arch: ArchSpec, param_dtypes: Mapping[str, str], *, tp: int, pp: int, vpp: int, ep: int,
+def grad_buffers(arch: ModelShape, param_dtypes: Mapping[str, str], *, tp: int, pp: int, vpp: int, ep: int,
                  tp_rank: int, pp_rank: int, ep_rank: int, experts: bool, bucket_size: int | None = None
                  ) -> list[tuple[str, list[LocalParam], int | None]]:
     """The grad buffers of one (TP, PP[, EP]) domain in `gbuf_idx` order, as (param dtype, params, bucket size):
@@ -532,7 +533,7 @@ def grad_buffers(arch: ArchSpec, param_dtypes: Mapping[str, str], *, tp: int, pp
     return out
 
 
-def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: Mapping[str, Any], root: Path):
+def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout: Mapping[str, Any], root: Path):
     tp, pp, vpp, ep = layout["tp"], layout["pp"], layout["vpp"], layout["ep"]
     moe = arch.num_experts > 0
     param_dtypes = {k: dtype_name(t.properties.dtype) for k, t in tensors.items()}
@@ -584,12 +585,12 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ArchSpec, layout: M
 
 
 def saved_model_spec(common: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The model spec the built-in engines save (`migrate.model`: ModelSpec fields), None when absent."""
+    """The model spec the built-in engines save (`migrate.model`: ModelShape fields), None when absent."""
     model = (common.get("migrate") or {}).get("model")
     return dict(model) if isinstance(model, Mapping) else None
 
 
-def canonical_train_state(arch: ArchSpec, common: Mapping[str, Any], groups: list[Any],
+def canonical_train_state(arch: ModelShape, common: Mapping[str, Any], groups: list[Any],
                  rng: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The canonical training state other formats' writers start from: step, LR schedule position (the
     built-in engines' `ScheduledLR` state), the client state of the built-in workloads (sampler, step,
@@ -681,7 +682,7 @@ def _common_meta(common: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- target (fully_reshardable, full tensors)
 
-def owner_boxes(rule: TensorRule, arch: ArchSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int,
+def owner_boxes(rule: TensorRule, arch: ModelShape, layout: ParallelLayout, *, tp_rank: int, pp_rank: int,
                 ep_rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Boxes (offsets, lengths) of the stacked key tensor that the (tp, pp, ep) rank owns at `layout`.
 
@@ -730,17 +731,17 @@ def writer_ranks(layout: ParallelLayout, *, tp_rank: int, pp_rank: int, ep_rank:
     return [layout.rank_of(tp=tp_rank, dp=d, pp=pp_rank) for d in dps]
 
 
-def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None = None) -> ArchSpec:
+def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None = None) -> ModelShape:
     """The architecture of `source` for the rules: the Megatron reader's (meta 'arch'), else the model spec
     the built-in engines save in their client state (`migrate.model`), else the source's HF config.json (an
     HF-Trainer folder's), else `model_config` (an HF config or
-    ModelSpec-style fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
+    ModelShape fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
     Raises PlanError naming the option to pass when none says it."""
     saved = source.meta.get("arch") or our_client_state(source.meta).get("model")
     if saved is None and isinstance(source.meta.get("hf_config"), Mapping):  # an HF-Trainer folder's config.json
         spec = arch_from_config(source.meta["hf_config"], where=f"{source.root}/config.json")
         # padded as Megatron-LM pads by default (--make-vocab-size-divisible-by 128 times tp)
-        saved = {f: getattr(spec, f) for f in spec.__dataclass_fields__} | {"make_vocab_size_divisible_by": 128}
+        saved = dataclasses.asdict(spec) | {"make_vocab_size_divisible_by": 128}
     given = None if model_config is None else arch_from_config(model_config, where="--model-config")
     if saved is None:
         if given is None:
@@ -748,9 +749,9 @@ def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None 
                             f"rules need num_layers, heads, query groups, GLU, vocab, padding): pass --model-config "
                             f"FILE (an HF config.json or the job YAML's model section)")
         return given
-    arch = ArchSpec.from_dict(dict(saved)) if source.format == FORMAT else arch_from_config(
+    arch = ModelShape.from_dict(dict(saved)) if source.format == FORMAT else arch_from_config(
         saved, where=f"{source.root}: {CLIENT_STATE_KEY}.model")
-    if given is not None and given != arch:
+    if given is not None and given.tensor_fields() != arch.tensor_fields():
         raise PlanError(f"--model-config {given} disagrees with the architecture saved in {source.root}: {arch}")
     return arch
 
@@ -762,7 +763,7 @@ _TORCH_ADAMW_GROUP = {"amsgrad": False, "capturable": False, "decoupled_weight_d
                       "foreach": None, "fused": None, "maximize": False}
 
 
-def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+def megatron_meta_from(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
     """What a Megatron target needs that a source of another format (DeepSpeed, DCP) does not hold in
     Megatron's terms, built from its canonical train state: `common` (iteration, checkpoint_version and the
     built-in engines' state with the model spec; RNG not carried across frameworks), the optimizer param
@@ -790,7 +791,7 @@ def megatron_meta_from(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any
     client = dict(((ts.get("client") or {}).get(CLIENT_STATE_KEY)) or {})
     ours = {k: v for k, v in client.items() if k not in ("rng", "roles", "model", "layout")}
     model = dict(client.get("model") or {})  # the engines' whole spec (norm epsilon, RoPE base) stays
-    ours |= {"step": int(step), "model": model | {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}}
+    ours |= {"step": int(step), "model": model | arch.tensor_fields()}
     if (hf := _hf_config(source)) is not None:
         ours["hf_config"] = hf  # an HF config.json the source came with: an HF target of this output reuses it
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
@@ -858,7 +859,7 @@ def _global_batch(source: CheckpointIndex) -> int | None:
     return None
 
 
-def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
+def extra_state_objects(arch: ModelShape) -> list[list[Any]]:
     """The layers' empty `_extra_state` ShardedObjects a torch_dist checkpoint holds and a source without them
     (another format, the legacy files) lacks: (key, [None]) per layer and module, per (layer, expert) for the
     experts' linears."""
@@ -870,7 +871,7 @@ def extra_state_objects(arch: ArchSpec) -> list[list[Any]]:
                   for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
 
 
-def legacy_meta_for_dist(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+def legacy_meta_for_dist(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
     """A legacy (`--ckpt-format torch`) source's state in the torch_dist writer's terms: its common state (args,
     iteration, checkpoint_version, FLOP count) with the scheduler, which torch_dist keeps in common.pt, its own
     optimizer param groups, and the `_extra_state` objects the legacy files do not hold."""
@@ -888,11 +889,11 @@ def is_weights_only(source: CheckpointIndex) -> bool:
     return kinds <= {Kind.PARAM} and step is None and source.format != FORMAT
 
 
-def pretrained_meta(source: CheckpointIndex, arch: ArchSpec) -> dict[str, Any]:
+def pretrained_meta(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
     """A weights-only source as a Megatron pretrained start (Megatron-LM's --finetune): iteration 0, no
     optimizer state or param groups, no RNG; the model spec and the layers' empty `_extra_state` objects."""
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
-    spec = {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}
+    spec = arch.tensor_fields()
     ours: dict[str, Any] = {"step": 0, "model": spec}
     if (hf := _hf_config(source)) is not None:
         ours["hf_config"] = hf
@@ -1006,7 +1007,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                       write_mode=WriteMode.STREAMING)
 
 
-def param_dtypes(source: CheckpointIndex, arch: ArchSpec, default: str) -> dict[str, str]:
+def param_dtypes(source: CheckpointIndex, arch: ModelShape, default: str) -> dict[str, str]:
     """The dtype of each Megatron model key's weights in `source` (its first canonical tensor's; `default`
     where the source holds none): a bf16 run may keep some weights in fp32 (e.g. norms), and Megatron-Core
     puts those in a grad buffer of their own."""
@@ -1021,17 +1022,17 @@ def param_dtypes(source: CheckpointIndex, arch: ArchSpec, default: str) -> dict[
     return out
 
 
-def check_padded_vocab(source: CheckpointIndex, arch: ArchSpec, tp: int) -> None:
+def check_padded_vocab(source: CheckpointIndex, arch: ModelShape, tp: int) -> None:
     """Refuse a target TP whose vocabulary padding differs from the source's when the source's unpadded
     vocabulary size is unknown (Megatron-LM's args record only the padded one)."""
-    if source.meta.get("vocab_padded") and arch.padded_vocab(tp) != arch.vocab_size:
+    if source.meta.get("vocab_padded") and arch.padded_vocab_size(tp) != arch.vocab_size:
         raise PlanError(f"{source.root}: Megatron-LM's args hold padded_vocab_size={arch.vocab_size} but not the "
                         f"unpadded vocab size; at tp={tp} Megatron-LM pads to a multiple of "
-                        f"{arch.make_vocab_size_divisible_by}*{tp} ({arch.padded_vocab(tp)} rows): pass "
+                        f"{arch.make_vocab_size_divisible_by}*{tp} ({arch.padded_vocab_size(tp)} rows): pass "
                         f"--model-config with the tokenizer's vocab_size, or a tp that keeps {arch.vocab_size}")
 
 
-def target_common(common: Mapping[str, Any], arch: ArchSpec, layout: ParallelLayout, *, chained: bool
+def target_common(common: Mapping[str, Any], arch: ModelShape, layout: ParallelLayout, *, chained: bool
                   ) -> dict[str, Any]:
     """The target's common state: Megatron-LM's `args` (when the source had them) rewritten for `layout`, and
     the `content_metadata` Megatron-LM's `load_checkpoint` decides by (fully_reshardable; the chained expert

@@ -19,7 +19,8 @@ import torch
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.hf_config import ModelFields
 from checkpoint.layout import ParallelLayout
-from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, ArchSpec, family_of_args
+from checkpoint.model_shape import TENSOR_FIELDS, ModelShape
+from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, family_of_args
 
 # What `inspect` shows of a Megatron-LM run, in this order (fields the Namespace lacks are left out)
 SUMMARY_FIELDS = (
@@ -85,7 +86,7 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def arch_from_args(args: Any, *, where: str) -> ArchSpec:
+def arch_from_args(args: Any, *, where: str) -> ModelShape:
     """The rules' architecture of a Megatron-LM run from its saved `args`.
 
     SwiGLU + RMSNorm is the llama family (mixtral with `num_experts`; qwen2, qwen3 and qwen3_moe with QKV biases
@@ -115,7 +116,7 @@ def arch_from_args(args: Any, *, where: str) -> ArchSpec:
         raise CheckpointFormatError(f"{where}: num_experts={experts} with GELU + LayerNorm: no rules for a GPT MoE")
     groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
     try:
-        return ArchSpec(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
+        return ModelShape(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
                         ffn_hidden_size=int(a["ffn_hidden_size"]), num_attention_heads=heads, num_query_groups=groups,
                         vocab_size=int(a.get("vocab_size") or a["padded_vocab_size"]), num_experts=experts,
                         moe_ffn_hidden_size=int(a.get("moe_ffn_hidden_size") or 0) if experts else 0,
@@ -186,7 +187,7 @@ def _plain(value: Any) -> Any:
     return getattr(value, "name", None) or str(value)
 
 
-def target_args(args: Any, arch: ArchSpec, layout: ParallelLayout, *, ckpt_format: str,
+def target_args(args: Any, arch: ModelShape, layout: ParallelLayout, *, ckpt_format: str,
                 fully_reshardable: bool) -> argparse.Namespace:
     """The source run's Namespace for a checkpoint at `layout`: every field kept but the parallel sizes, world
     size, padded vocabulary, checkpoint format and optimizer-sharding flags (the distributed optimizer is on:
@@ -196,7 +197,7 @@ def target_args(args: Any, arch: ArchSpec, layout: ParallelLayout, *, ckpt_forma
           "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
           "num_layers_per_virtual_pipeline_stage": None, "expert_model_parallel_size": layout.ep,
           "expert_tensor_parallel_size": layout.tp, "data_parallel_size": layout.dp, "world_size": layout.world_size,
-          "padded_vocab_size": arch.padded_vocab(layout.tp), "use_distributed_optimizer": True,
+          "padded_vocab_size": arch.padded_vocab_size(layout.tp), "use_distributed_optimizer": True,
           "ckpt_format": ckpt_format, "use_dist_ckpt": ckpt_format != "torch",
           "dist_ckpt_optim_fully_reshardable": fully_reshardable}
     if layout.tp == 1:
@@ -204,13 +205,13 @@ def target_args(args: Any, arch: ArchSpec, layout: ParallelLayout, *, ckpt_forma
     return argparse.Namespace(**a)
 
 
-def overrides(args_arch: ArchSpec, given: ArchSpec) -> list[str]:
+def overrides(args_arch: ModelShape, given: ModelShape) -> list[str]:
     """`field: args value -> given value` for each field a --model-config changes (empty when they agree)."""
-    return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in ArchSpec.__dataclass_fields__
+    return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in TENSOR_FIELDS
             if getattr(args_arch, f) != getattr(given, f)]
 
 
-def synthesized_args(arch: ArchSpec, fields: ModelFields | None, *, iteration: int,
+def synthesized_args(arch: ModelShape, fields: ModelFields | None, *, iteration: int,
                      global_batch_size: int | None, weights_only: bool, hf_tokenizer: bool) -> argparse.Namespace:
     """The `args` a checkpoint converted from another framework carries, as Megatron-LM's `parse_args` would
     have built them for that model: the architecture (from the rules and, where the source records them, the

@@ -43,7 +43,8 @@ from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, T
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
-from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, ArchSpec, canonical_tensors, expert_range,
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, canonical_tensors, expert_range,
                                        stage_layers)
 from checkpoint.formats.megatron_args import args_summary, as_mapping
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
@@ -56,7 +57,7 @@ STATE_KINDS = {"param": Kind.MASTER, "exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind
 _EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
-def _untied(arch: ArchSpec, where: str) -> ArchSpec:
+def _untied(arch: ModelShape, where: str) -> ModelShape:
     """Refuse tied input/output embeddings by name: the legacy reader/writer map the output layer's own weight
     (a tied model's last stage holds a copy of the embedding that this module does not map yet)."""
     if arch.tied_embeddings:
@@ -76,7 +77,7 @@ def is_legacy_checkpoint(path: str | Path) -> bool:
 
 # ---------------------------------------------------------------- local tensors of one rank (pure)
 
-def local_params(arch: ArchSpec, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int, ep_rank: int,
+def local_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int, ep_rank: int,
                  vp_stage: int) -> list[tuple[str, LocalParam]]:
     """(state-dict name, LocalParam) of every parameter of one model chunk on one rank, named_parameters order
     (layers numbered within the chunk, experts within the EP rank)."""
@@ -102,7 +103,7 @@ def _state_name(p: LocalParam, first_layer: int, first_expert: int) -> str:
     return prefix + p.rule.param
 
 
-def _canonical_chunks(arch: ArchSpec, p: LocalParam, file: str, key: tuple,
+def _canonical_chunks(arch: ModelShape, p: LocalParam, file: str, key: tuple,
                       start: int = 0) -> list[tuple[str, ChunkRef]]:
     return [(pc.name, ChunkRef(file=file, key=key, offsets=pc.offsets, lengths=pc.lengths,
                                storage_offset=pc.storage_offset))
@@ -228,7 +229,7 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
         rng = {"states": expand_megatron_rng(rng_objects, src, where=f"{root}: rng_state"),
                "roles": [r.as_dict() for r in src]}
     params_dtype = next((e.dtype for e in entries if e.key.kind is Kind.PARAM), "float32")
-    meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, **layout, "sharding": sharding,
+    meta = {"arch": arch.tensor_fields(), **layout, "sharding": sharding,
             "common": common, "optimizer_groups": groups, "iteration": head.get("iteration"),
             "model_dtype": params_dtype, "args": _plain_args(head.get("args")), "arch_overrides": overridden,
             "megatron_args": args_summary(head.get("args")), "model_spec": saved_model_spec(common),
@@ -261,7 +262,7 @@ def _plain_args(args: Any) -> dict[str, Any]:
     return {k: v for k, v in a.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def _index_model(arch: ArchSpec, state: Mapping[str, Any], layout: Mapping[str, int], t: int, p: int, e: int,
+def _index_model(arch: ModelShape, state: Mapping[str, Any], layout: Mapping[str, int], t: int, p: int, e: int,
                  where: Path, rel: str, put: Any) -> list[list[tuple[str, LocalParam]]]:
     """Index one rank file's model chunks; returns the rank's params per chunk (named_parameters order)."""
     tp, pp, ep, vpp = layout["tp"], layout["pp"], layout["ep"], layout["vpp"]
@@ -299,7 +300,7 @@ def _buffer_states(raw: Any, where: Path) -> list[tuple[int, Any]]:
     raise CheckpointFormatError(f"{where}: holds {type(raw).__name__}, not a DistributedOptimizer parameter state")
 
 
-def _index_distrib_optim(arch: ArchSpec, raw: Any, layout: Mapping[str, int], t: int, p: int, e: int, where: Path,
+def _index_distrib_optim(arch: ModelShape, raw: Any, layout: Mapping[str, int], t: int, p: int, e: int, where: Path,
                          rel: str, put: Any, dtypes: Mapping[str, str]) -> int:
     """Index `distrib_optim.pt` of one rank dir (`dtypes`: the stored dtype per model key of its model file,
     which decides the grad buffers); returns how many chained optimizers it describes."""
@@ -357,7 +358,7 @@ def plain_order(params: list[list[tuple[str, LocalParam]]]) -> list[tuple[str, L
     return [x for x in flat if not x[1].vector] + [x for x in flat if x[1].vector]
 
 
-def _index_plain_optim(arch: ArchSpec, optim: Mapping[str, Any], params: list[list[tuple[str, LocalParam]]], t: int,
+def _index_plain_optim(arch: ModelShape, optim: Mapping[str, Any], params: list[list[tuple[str, LocalParam]]], t: int,
                        e: int, where: Path, rel: str, put: Any) -> None:
     if arch.num_experts:
         raise CheckpointFormatError(f"{where}: plain (non-distributed) optimizer state of an MoE model is not "
@@ -392,7 +393,7 @@ def _plain_groups(optim: Mapping[str, Any], where: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- target (DistributedOptimizer form)
 
-def legacy_args(arch: ArchSpec, layout: ParallelLayout, base: Mapping[str, Any] | None, *, iteration: int,
+def legacy_args(arch: ModelShape, layout: ParallelLayout, base: Mapping[str, Any] | None, *, iteration: int,
                 dtype: str) -> argparse.Namespace:
     """Megatron-LM's args for the target layout: the source's plain args with the layout fields replaced."""
     a = dict(base or {})
@@ -402,7 +403,7 @@ def legacy_args(arch: ArchSpec, layout: ParallelLayout, base: Mapping[str, Any] 
           "swiglu": arch.architecture in SWIGLU_ARCHITECTURES, "vocab_size": arch.vocab_size,
           "add_qkv_bias": arch.qkv_bias, "qk_layernorm": arch.qk_norm,
           "moe_ffn_hidden_size": arch.expert_ffn_hidden_size if arch.num_experts else None,
-          "padded_vocab_size": arch.padded_vocab(layout.tp), "num_experts": arch.num_experts or None,
+          "padded_vocab_size": arch.padded_vocab_size(layout.tp), "num_experts": arch.num_experts or None,
           "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
           "untie_embeddings_and_output_weights": not arch.tied_embeddings,
           "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
@@ -496,7 +497,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     if state.get("state_report"):  # what the conversion did with each training state, for the resume stage
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
     files.append(TargetFile(path=TRACKER_FILE, role="tracker", rank=None))
-    meta = {"arch": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}, "tp": tp, "pp": pp, "dp": dp,
+    meta = {"arch": arch.tensor_fields(), "tp": tp, "pp": pp, "dp": dp,
             "ep": ep, "vpp": vpp, "chained": chained, "ranks": rank_meta,
             "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
             "args": legacy_args(arch, layout, as_mapping(m["common"].get("args")) or m.get("args"),

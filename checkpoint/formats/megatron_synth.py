@@ -27,7 +27,8 @@ from checkpoint.formats.megatron import (buffer_buckets, domain_params, index_fr
 from checkpoint.index import CheckpointIndex, dtype_size
 from checkpoint.layout import ParallelLayout
 from checkpoint.plan import ConversionPlan, rank_summaries
-from checkpoint.rules.megatron import ArchSpec, stacked_shape, stored_rules
+from checkpoint.model_shape import ModelShape
+from checkpoint.rules.megatron import stacked_shape, stored_rules
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -44,7 +45,7 @@ class _Files:
         return f"__{rank}_0.distcp", start, nbytes
 
 
-def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16",
+def synthesize_metadata(arch: ModelShape, layout: ParallelLayout, *, model_dtype: str = "bfloat16",
                         iteration: int = 1) -> tuple[Any, dict[str, Any]]:
     """(DCP Metadata, common state) of a dp_reshardable torch_dist checkpoint of `arch` at `layout`."""
     files = _Files()
@@ -104,12 +105,12 @@ def synthesize_metadata(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: 
                                "params": []}]}
     optim = {c: {"optimizer": group, "param_state_sharding_type": "dp_reshardable"} for c in chains}
     common = {"iteration": iteration, "checkpoint_version": 3.0,
-              "migrate": {"model": {f: getattr(arch, f) for f in ArchSpec.__dataclass_fields__}},
+              "migrate": {"model": arch.tensor_fields()},
               "optimizer": optim if chained else optim[0]}
     return md, common
 
 
-def synthetic_index(arch: ArchSpec, layout: ParallelLayout, *, model_dtype: str = "bfloat16") -> CheckpointIndex:
+def synthetic_index(arch: ModelShape, layout: ParallelLayout, *, model_dtype: str = "bfloat16") -> CheckpointIndex:
     """The index the Megatron reader builds for the synthesized checkpoint (root names the layout; no files)."""
     md, common = synthesize_metadata(arch, layout, model_dtype=model_dtype)
     root = Path(f"synthetic-{arch.architecture}-{layout.describe().replace('·', '-').replace(' ', '-')}")

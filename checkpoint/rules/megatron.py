@@ -17,70 +17,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.model_shape import (ARCHITECTURES, MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, QKV_BIAS_ARCHITECTURES,
+                                    Architecture, ModelShape)
 
 Scope = Literal["model", "layer", "expert"]
 Fuse = Literal["none", "qkv", "glu"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ArchSpec:
-    """The numbers the rules need (mirrors the workload's ModelSpec without importing it)."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    num_experts: int = 0
-    make_vocab_size_divisible_by: int = 1
-    tied_embeddings: bool = False
-    moe_ffn_hidden_size: int = 0  # each expert's inner width (Megatron's --moe-ffn-hidden-size); 0: ffn_hidden_size
-
-    def __post_init__(self) -> None:
-        if self.architecture not in RULES:
-            raise CheckpointFormatError(f"architecture {self.architecture!r}: rules exist for {sorted(RULES)}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise CheckpointFormatError(f"num_attention_heads({self.num_attention_heads}) is not a multiple of "
-                                        f"num_query_groups({self.num_query_groups})")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def expert_ffn_hidden_size(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-    @property
-    def qkv_bias(self) -> bool:
-        """The fused QKV has a bias (Megatron's add_qkv_bias; Qwen2)."""
-        return QKV_BIAS_KEY in RULES[self.architecture].by_key()
-
-    @property
-    def qk_norm(self) -> bool:
-        """Per-head q/k norms (Megatron's qk_layernorm; Qwen3, Qwen3-MoE)."""
-        return Q_NORM_KEY in RULES[self.architecture].by_key()
-
-    def ffn_of(self, rule: TensorRule) -> int:
-        """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
-        return self.expert_ffn_hidden_size if rule.scope == "expert" else self.ffn_hidden_size
-
-    def padded_vocab(self, tp: int) -> int:
-        """Megatron's rule: vocab padded to a multiple of make_vocab_size_divisible_by * tp."""
-        m = self.make_vocab_size_divisible_by * tp
-        return math.ceil(self.vocab_size / m) * m
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ArchSpec:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
 # HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary; Qwen2's QKV
 # biases, Qwen3's per-head q/k RMSNorm)
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt", "qwen2": "qwen2",
-                  "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+HF_MODEL_TYPES: dict[str, Architecture] = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt",
+                                            "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 def _check_hf_attention(c: Mapping[str, Any], kind: str, where: str) -> None:
@@ -109,7 +56,7 @@ def _check_qwen3_moe(c: Mapping[str, Any], where: str) -> None:
                                     f"Megatron-Core's router normalises the top-k weights (norm_topk_prob=true)")
 
 
-def family_of_args(args: Mapping[str, Any]) -> str:
+def family_of_args(args: Mapping[str, Any]) -> Architecture:
     """The rules' architecture of a Megatron-LM run from its args: GELU + LayerNorm is gpt; SwiGLU + RMSNorm is
     llama, with routed experts mixtral, with QKV biases (add_qkv_bias) qwen2, with QK layernorm qwen3."""
     if not args.get("swiglu"):
@@ -121,9 +68,9 @@ def family_of_args(args: Mapping[str, Any]) -> str:
     return "qwen2" if args.get("add_qkv_bias") else "llama"
 
 
-def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ArchSpec:
-    """The ArchSpec of a model config: an HF `config.json` (llama/mistral/mixtral/starcoder2 keys, told
-    apart by `model_type`) or ModelSpec-style fields (the built-in engines' saved spec, the job YAML's
+def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ModelShape:
+    """The ModelShape of a model config: an HF `config.json` (llama/mistral/mixtral/starcoder2 keys, told
+    apart by `model_type`) or ModelShape fields (the built-in engines' saved spec, the job YAML's
     `model` section: `query_groups`/`num_query_groups` default to the heads, the vocab padding to the
     job schema's 128). Raises CheckpointFormatError naming `where` and the missing or unknown keys."""
     c = dict(config)
@@ -143,22 +90,24 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
                        "qwen3_moe": int(c.get("num_local_experts") or c.get("num_experts") or 0)}
             if kind == "qwen3_moe":
                 _check_qwen3_moe(c, where)
-            return ArchSpec(architecture=kind, num_layers=int(c["num_hidden_layers"]),
-                            hidden_size=int(c["hidden_size"]),
-                            ffn_hidden_size=int(c["intermediate_size"]), num_attention_heads=heads,
-                            num_query_groups=int(c.get("num_key_value_heads") or heads),
-                            vocab_size=int(c["vocab_size"]), num_experts=experts.get(kind, 0),
-                            moe_ffn_hidden_size=int(c.get("moe_intermediate_size") or 0) if kind == "qwen3_moe" else 0,
-                            tied_embeddings=bool(c.get("tie_word_embeddings", kind == "gpt")))  # HF's defaults
+            moe = {"moe_top_k": int(c.get("num_experts_per_tok") or 2)} if kind in MOE_ARCHITECTURES else {}
+            return ModelShape(architecture=kind, num_layers=int(c["num_hidden_layers"]),
+                              hidden_size=int(c["hidden_size"]),
+                              ffn_hidden_size=int(c["intermediate_size"]), num_attention_heads=heads,
+                              num_query_groups=int(c.get("num_key_value_heads") or heads),
+                              vocab_size=int(c["vocab_size"]), num_experts=experts.get(kind, 0),
+                              moe_ffn_hidden_size=int(c.get("moe_intermediate_size") or 0) if kind == "qwen3_moe" else 0,
+                              tied_embeddings=bool(c.get("tie_word_embeddings", kind == "gpt")), **moe)  # HF's defaults
         heads = int(c["num_attention_heads"])
         groups = c.get("num_query_groups", c.get("query_groups")) or heads
-        return ArchSpec(architecture=str(c["architecture"]), num_layers=int(c["num_layers"]),
-                        hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["ffn_hidden_size"]),
-                        num_attention_heads=heads, num_query_groups=int(groups), vocab_size=int(c["vocab_size"]),
-                        num_experts=int(c.get("num_experts") or 0),
-                        moe_ffn_hidden_size=int(c.get("moe_ffn_hidden_size") or 0),
-                        make_vocab_size_divisible_by=int(c.get("make_vocab_size_divisible_by", 128)),
-                        tied_embeddings=bool(c.get("tied_embeddings", False)))
+        recipe = {k: c[k] for k in ("seq_length", "moe_top_k", "rotary_base", "norm_eps") if c.get(k) is not None}
+        return ModelShape(architecture=str(c["architecture"]), num_layers=int(c["num_layers"]),  # type: ignore[arg-type]
+                          hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["ffn_hidden_size"]),
+                          num_attention_heads=heads, num_query_groups=int(groups), vocab_size=int(c["vocab_size"]),
+                          num_experts=int(c.get("num_experts") or 0),
+                          moe_ffn_hidden_size=int(c.get("moe_ffn_hidden_size") or 0),
+                          make_vocab_size_divisible_by=int(c.get("make_vocab_size_divisible_by", 128)),
+                          tied_embeddings=bool(c.get("tied_embeddings", False)), **recipe)
     except KeyError as err:
         raise CheckpointFormatError(f"{where}: missing key {err.args[0]!r} (have: {sorted(c)})") from None
     except (TypeError, ValueError) as err:
@@ -257,23 +206,24 @@ class ArchRules:
 # gpt: LayerNorm (weight + bias), GELU FFN; llama: RMSNorm, SwiGLU; mixtral: llama attention + routed experts;
 # qwen2: llama with QKV biases; qwen3: llama with per-head q/k RMSNorm (QK layernorm).
 RULES: dict[str, ArchRules] = {
-    "gpt": ArchRules(name="gpt", layer=_layer_rules(bias=True, moe=False), model=_model_rules(bias=True)),
-    "llama": ArchRules(name="llama", layer=_layer_rules(bias=False, moe=False), model=_model_rules(bias=False)),
-    "mixtral": ArchRules(name="mixtral", layer=_layer_rules(bias=False, moe=True), model=_model_rules(bias=False)),
-    "qwen2": ArchRules(name="qwen2", layer=_layer_rules(bias=False, moe=False, qkv_bias=True),
-                       model=_model_rules(bias=False)),
-    "qwen3": ArchRules(name="qwen3", layer=_layer_rules(bias=False, moe=False, qk_norm=True),
-                       model=_model_rules(bias=False)),
-    "qwen3_moe": ArchRules(name="qwen3_moe", layer=_layer_rules(bias=False, moe=True, qk_norm=True),
-                           model=_model_rules(bias=False)),
+    name: ArchRules(name=name, layer=_layer_rules(bias=name == "gpt", moe=name in MOE_ARCHITECTURES,
+                                                  qkv_bias=name in QKV_BIAS_ARCHITECTURES,
+                                                  qk_norm=name in QK_NORM_ARCHITECTURES),
+                    model=_model_rules(bias=name == "gpt"))
+    for name in ARCHITECTURES
 }
-SWIGLU_ARCHITECTURES = ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SWIGLU_ARCHITECTURES = tuple(name for name in ARCHITECTURES if name != "gpt")
+
+
+def ffn_width(arch: ModelShape, rule: TensorRule) -> int:
+    """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
+    return arch.expert_ffn_hidden_size if rule.scope == "expert" else arch.ffn_hidden_size
 
 
 OUTPUT_KEY = "output_layer.weight"
 
 
-def stored_rules(arch: ArchSpec) -> tuple[TensorRule, ...]:
+def stored_rules(arch: ModelShape) -> tuple[TensorRule, ...]:
     """The rules of the keys a checkpoint of `arch` stores, in named_parameters order. Tied input/output
     embeddings are one tensor, the embedding: Megatron-Core gives the output layer no weight where it
     holds the embedding (PP 1) and stores the last stage's copy (PP > 1) under the embedding's key."""
@@ -281,7 +231,7 @@ def stored_rules(arch: ArchSpec) -> tuple[TensorRule, ...]:
     return tuple(r for r in rules if not (arch.tied_embeddings and r.key == OUTPUT_KEY))
 
 
-def holds_output_copy(arch: ArchSpec, pp: int, vpp: int) -> bool:
+def holds_output_copy(arch: ModelShape, pp: int, vpp: int) -> bool:
     """Whether the last (virtual) stage holds its own output-layer weight: always when untied; when tied
     only if it is not also the first stage (Megatron-Core then keeps a copy, its grads all-reduced with
     the embedding's, so its optimizer state equals the embedding's)."""
@@ -291,13 +241,13 @@ def holds_output_copy(arch: ArchSpec, pp: int, vpp: int) -> bool:
 # ---------------------------------------------------------------- shapes and segments (pure)
 
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
-def matrix_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ...]:
+def matrix_shape(rule: TensorRule, arch: ModelShape, tp: int = 1) -> tuple[int, ...]:
     """Global shape of one layer's (expert's) tensor, vocab padded for `tp`."""
-    h, f = arch.hidden_size, arch.ffn_of(rule)
+    h, f = arch.hidden_size, ffn_width(arch, rule)
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
     table = {
-        "embedding.word_embeddings.weight": (arch.padded_vocab(tp), h),
-        "output_layer.weight": (arch.padded_vocab(tp), h),
+        "embedding.word_embeddings.weight": (arch.padded_vocab_size(tp), h),
+        "output_layer.weight": (arch.padded_vocab_size(tp), h),
         "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * arch.head_dim),
         "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
         "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
@@ -314,7 +264,7 @@ def matrix_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ..
     return (h,)  # norms
 
 
-def stacked_shape(rule: TensorRule, arch: ArchSpec, tp: int = 1) -> tuple[int, ...]:
+def stacked_shape(rule: TensorRule, arch: ModelShape, tp: int = 1) -> tuple[int, ...]:
     """Global shape under the checkpoint key: (L, [E,] *matrix) for layer/expert scope."""
     lead = {"model": (), "layer": (arch.num_layers,), "expert": (arch.num_layers, arch.num_experts)}[rule.scope]
     return (*lead, *matrix_shape(rule, arch, tp))
@@ -331,7 +281,7 @@ class Segment:
 
 
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
-def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
+def segments(rule: TensorRule, arch: ModelShape) -> tuple[Segment, ...]:
     """How the fused row dim (dim 0 of the matrix) splits into canonical tensors; vocab rows clipped."""
     rows = matrix_shape(rule, arch)[0]
     if rule.fuse == "qkv":
@@ -344,7 +294,7 @@ def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
             pos += (per + 2) * hd
         return tuple(out)
     if rule.fuse == "glu":
-        f = arch.ffn_of(rule)
+        f = ffn_width(arch, rule)
         return (Segment(part="gate", start=0, length=f, dst=0), Segment(part="up", start=f, length=f, dst=0))
     if rule.vocab:
         return (Segment(part="", start=0, length=arch.vocab_size, dst=0),)
@@ -353,7 +303,7 @@ def segments(rule: TensorRule, arch: ArchSpec) -> tuple[Segment, ...]:
 
 
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
-def canonical_shape(rule: TensorRule, arch: ArchSpec, seg: Segment) -> tuple[int, ...]:
+def canonical_shape(rule: TensorRule, arch: ModelShape, seg: Segment) -> tuple[int, ...]:
     m = matrix_shape(rule, arch)
     if len(m) == 1 and rule.fuse == "none":
         return m
@@ -365,7 +315,7 @@ def canonical_name(rule: TensorRule, seg: Segment, layer: int | None = None, exp
     return rule.canonical.format(layer=layer, expert=expert, part=seg.part)
 
 
-def canonical_tensors(arch: ArchSpec) -> list[tuple[str, tuple[int, ...]]]:
+def canonical_tensors(arch: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     """Every canonical tensor name and shape of the model, in Megatron's rule order."""
     out = []
     for rule in stored_rules(arch):
@@ -382,7 +332,7 @@ def canonical_tensors(arch: ArchSpec) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def hf_order(arch: ArchSpec) -> list[str]:
+def hf_order(arch: ModelShape) -> list[str]:
     """Canonical names in the HF module order (`named_parameters()` of the plain torch model): embedding,
     then per layer input norm, q, k, v, o, post-attention norm, MLP (router, then per expert gate, up,
     down), then final norm and LM head. Frameworks that flatten parameters (DeepSpeed ZeRO) use this order."""
@@ -408,7 +358,7 @@ def hf_order(arch: ArchSpec) -> list[str]:
 
 # ---------------------------------------------------------------- TP / PP / EP ownership (pure)
 
-def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tuple[tuple[int, int], ...]:
+def tp_local_rows(rule: TensorRule, arch: ModelShape, tp: int, tp_rank: int) -> tuple[tuple[int, int], ...]:
     """Global row runs (start, length) of the matrix that TP rank `tp_rank` holds, in local order.
 
     Column-parallel fused tensors keep their grouping per rank: QKV holds whole query groups, GLU
@@ -418,7 +368,7 @@ def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tu
     if rule.tp_dim != 0 or tp == 1:
         return ((0, rows),)
     if rule.fuse == "glu":
-        f = arch.ffn_of(rule)
+        f = ffn_width(arch, rule)
         if f % tp:
             raise CheckpointFormatError(f"{rule.key}: FFN width {f} is not divisible by tp({tp})")
         n = f // tp
@@ -431,7 +381,7 @@ def tp_local_rows(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tu
     return ((tp_rank * n, n),)
 
 
-def tp_local_cols(rule: TensorRule, arch: ArchSpec, tp: int, tp_rank: int) -> tuple[int, int]:
+def tp_local_cols(rule: TensorRule, arch: ModelShape, tp: int, tp_rank: int) -> tuple[int, int]:
     """(start, length) of the columns TP rank `tp_rank` holds (all columns unless split on dim 1)."""
     m = matrix_shape(rule, arch, tp)
     cols = m[-1]

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from checkpoint.model_shape import ModelShape
+from migrate.workload.model_spec import RunSpec, TrainSpec
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 
@@ -47,7 +48,7 @@ class CheckSize:
     """How big the check runs: the model, the candidates' micro batches and sequence lengths, the steps."""
 
     name: str
-    model: ModelSpec
+    model: ModelShape
     seq_lengths: tuple[int, ...]
     micro_batches: tuple[int, ...]
     global_batch_size: int
@@ -61,12 +62,12 @@ class CheckSize:
 
 SIZES = {
     "small": CheckSize(  # the CPU in the test suite: minutes of 2 cores
-        name="small", model=ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+        name="small", model=ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                                       num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32),
         seq_lengths=(32, 64), micro_batches=(1, 2), global_batch_size=4, precision="fp32", warmup=1, steps=2,
         matmul_size=256, copy_mb=16, repeats=3),
     "full": CheckSize(  # one accelerator, under 8 minutes: a 0.8B-parameter Llama in bf16
-        name="full", model=ModelSpec(architecture="llama", num_layers=8, hidden_size=2048, ffn_hidden_size=5632,
+        name="full", model=ModelShape(architecture="llama", num_layers=8, hidden_size=2048, ffn_hidden_size=5632,
                                      num_attention_heads=16, num_query_groups=4, vocab_size=32000, seq_length=1024),
         seq_lengths=(1024, 2048), micro_batches=(1, 2, 4), global_batch_size=8, precision="bf16", warmup=2, steps=3,
         matmul_size=8192, copy_mb=1024, repeats=20),
@@ -251,7 +252,7 @@ def measure_run(ctx: Any, spec: RunSpec) -> dict[str, Any]:
             "unrecorded_frees": measured.unrecorded_frees}
 
 
-def _candidates(size: CheckSize) -> list[tuple[Any, ModelSpec]]:
+def _candidates(size: CheckSize) -> list[tuple[Any, ModelShape]]:
     from parallel_search.space import Candidate
 
     out = []
@@ -264,15 +265,6 @@ def _candidates(size: CheckSize) -> list[tuple[Any, ModelSpec]]:
                 out.append((Candidate(framework=framework, layout=ParallelLayout(dp=1, sharding=sharding),
                                       micro_batch_size=mbs), model))
     return out
-
-
-def _shape(model: ModelSpec) -> Any:
-    from parallel_search.spec import ModelShape
-
-    return ModelShape(num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-                      num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                      vocab_size=model.vocab_size, seq_length=model.seq_length, gated_ffn=model.gated_ffn,
-                      make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
 
 def memory_and_step_time(device: str, size: CheckSize, deadline: float) -> StepReport:
@@ -293,8 +285,8 @@ def memory_and_step_time(device: str, size: CheckSize, deadline: float) -> StepR
         if time.monotonic() > deadline:
             row["status"] = "skipped: the time budget is spent"
             continue
-        estimate = estimate_memory(_shape(model), shape_train, cand, profile, allocated=True)
-        terms = cost_terms(_shape(model), shape_train, ClusterShape(device_count=1, devices_per_node=1), cand, profile)
+        estimate = estimate_memory(model, shape_train, cand, profile, allocated=True)
+        terms = cost_terms(model, shape_train, ClusterShape(device_count=1, devices_per_node=1), cand, profile)
         row.update(predicted_tensor_bytes=estimate.tensors, predicted_total_bytes=estimate.total,
                    predicted_step_s=predict(terms))
         runs = []

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from checkpoint.layout import AXES, LayoutError, OptimizerSharding, ParallelLayout
+from checkpoint.model_shape import Architecture, ModelShape
 from migrate.runtime.backend import DEVICE_TYPES, BackendError, resolve_backend
 from migrate.runtime.ray_cluster import validate_address
 
@@ -177,9 +178,10 @@ class TargetSection(ClusterSection):
 
 
 class ModelSection(Section):
-    """The model architecture (GPT/Llama decoder, or Mixtral-style MoE)."""
+    """The model architecture (GPT/Llama decoder, or Mixtral-style MoE): ``checkpoint.model_shape.ModelShape``
+    with the job's defaults (vocab padded to 128 * tp as Megatron-LM does) and a documented field each."""
 
-    architecture: Literal["gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+    architecture: Architecture
     """gpt (LayerNorm, GeLU), llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), mixtral (llama with MoE
     feed-forward layers), qwen2 (llama with q/k/v biases), qwen3 (llama with per-head q/k RMSNorm) or qwen3_moe
     (qwen3 with MoE feed-forward layers)"""
@@ -214,20 +216,12 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSection:
-        heads, groups = self.num_attention_heads, self.query_groups
-        if self.hidden_size % heads:
-            raise ValueError(f"hidden_size({self.hidden_size}) is not divisible by num_attention_heads({heads})")
-        if heads % groups:
-            raise ValueError(f"num_attention_heads({heads}) is not divisible by num_query_groups({groups})")
-        if self.architecture in ("mixtral", "qwen3_moe"):
-            if self.num_experts < 2:
-                raise ValueError(f"architecture {self.architecture!r} needs num_experts >= 2, got {self.num_experts}")
-            if self.moe_top_k > self.num_experts:
-                raise ValueError(f"moe_top_k({self.moe_top_k}) > num_experts({self.num_experts})")
-        elif self.num_experts > 1:
-            raise ValueError(f"num_experts({self.num_experts}) needs architecture 'mixtral' or 'qwen3_moe', got "
-                             f"{self.architecture!r}")
+        self.to_shape()  # the one model shape checks how the numbers fit together (a ValueError names them)
         return self
+
+    def to_shape(self) -> ModelShape:
+        """The model as the checkpoint rules, the search and the built-in workloads take it."""
+        return ModelShape(**(self.model_dump() | {"num_query_groups": self.query_groups}))
 
     @property
     def query_groups(self) -> int:

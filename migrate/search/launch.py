@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from checkpoint.layout import ParallelLayout
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from checkpoint.model_shape import ModelShape
+from migrate.workload.model_spec import RunSpec, TrainSpec
 
 
 def _megatron_parser() -> argparse.ArgumentParser:
@@ -79,7 +80,7 @@ def _deepspeed_recipe(config: dict, train: TrainSpec) -> TrainSpec:
     return dataclasses.replace(train, optimizer=opt)
 
 
-def run_spec_from_configs(directory: str | Path, model: ModelSpec, train: TrainSpec, steps: int) -> RunSpec:
+def run_spec_from_configs(directory: str | Path, model: ModelShape, train: TrainSpec, steps: int) -> RunSpec:
     """The built-in run the emitted configs describe; raises when they disagree with the model."""
     directory = Path(directory)
     layout = ParallelLayout.from_dict(yaml.safe_load((directory / "target_layout.yaml").read_text())["target"]["layout"])

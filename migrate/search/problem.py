@@ -3,26 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from checkpoint.model_shape import ModelShape
 from migrate.job.load import Job
-from migrate.workload.from_job import model_spec
-from migrate.workload.model_spec import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, QKV_BIAS_ARCHITECTURES,
-                                         LRScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec)
+from migrate.workload.model_spec import LRScheduleSpec, OptimizerSpec, TrainSpec
 from parallel_search.emit import Recipe
 from parallel_search.profiles import DeviceProfile, load_profile
-from parallel_search.spec import ClusterShape, ModelShape, TrainingShape
+from parallel_search.spec import ClusterShape, TrainingShape
 
 
 def model_shape(job: Job) -> ModelShape:
-    m = job.spec.model
-    moe = m.architecture in MOE_ARCHITECTURES
-    ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if moe else m.ffn_hidden_size  # an MoE model's every layer is MoE
-    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn,
-                      num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
-                      vocab_size=m.vocab_size, seq_length=m.seq_length, gated_ffn=m.architecture != "gpt",
-                      tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
-                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                      qkv_bias=m.architecture in QKV_BIAS_ARCHITECTURES,
-                      qk_layernorm=m.architecture in QK_NORM_ARCHITECTURES)
+    return job.spec.model.to_shape()
 
 
 def training_shape(job: Job) -> TrainingShape:
@@ -50,10 +40,10 @@ def device_profile(job: Job, override: str | None = None) -> DeviceProfile:
     return load_profile(name)
 
 
-def workload_specs(job: Job, dataset_size: int = 4096) -> tuple[ModelSpec, TrainSpec]:
+def workload_specs(job: Job, dataset_size: int = 4096) -> tuple[ModelShape, TrainSpec]:
     """The built-in workload's model and recipe for the job (fp16 runs as bf16: the engines have no fp16)."""
     t = job.spec.training
-    model = model_spec(job.spec)
+    model = job.spec.model.to_shape()
     opt = t.optimizer
     train = TrainSpec(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                       precision="fp32" if t.precision == "fp32" else "bf16",

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+from checkpoint.model_shape import ModelShape
 from migrate.runtime.worker_group import WorkerGroup, WorkerGroupError
-from migrate.workload.model_spec import ModelSpec, RunSpec, TrainSpec
+from migrate.workload.model_spec import RunSpec, TrainSpec
 from parallel_search.emit import deepspeed_config, megatron_args
 from parallel_search.search import Measurement
 from parallel_search.space import Candidate
-from parallel_search.spec import ModelShape, TrainingShape
+from parallel_search.spec import TrainingShape
 
 _OOM_MARKERS = ("out of memory", "outofmemory", "cannot allocate memory", "memoryerror", "std::bad_alloc")
 
@@ -40,7 +41,7 @@ def unsupported_by_builtin(cand: Candidate) -> str | None:
     return None
 
 
-def run_spec_for(cand: Candidate, model: ModelSpec, train: TrainSpec, steps: int) -> RunSpec:
+def run_spec_for(cand: Candidate, model: ModelShape, train: TrainSpec, steps: int) -> RunSpec:
     """The built-in workload run that realises ``cand`` (Megatron-Core or DeepSpeed)."""
     lay = cand.layout
     train = dataclasses.replace(train, micro_batch_size=cand.micro_batch_size)
@@ -143,7 +144,7 @@ class WorkloadProfiler:
     failed run tears it down and the next candidate starts a fresh one. Close it when done.
     """
 
-    def __init__(self, start_group: Callable[[], WorkerGroup], model: ModelSpec, train: TrainSpec,
+    def __init__(self, start_group: Callable[[], WorkerGroup], model: ModelShape, train: TrainSpec,
                  warmup: int = 1, timeout_s: float | None = None) -> None:
         self.start_group, self.model, self.train = start_group, model, train
         self.warmup, self.timeout_s = warmup, timeout_s

@@ -73,11 +73,11 @@ def model_inputs(model_section: dict[str, Any], seed: int) -> dict[str, Any]:
     """model_factory / batch / loss_fn for the job's decoder (the workload's own model)."""
     import torch
 
-    from migrate.workload.model_spec import ModelSpec
+    from checkpoint.model_shape import ModelShape
     from migrate.workload.torch_model import build_decoder
 
-    names = {f.name for f in dataclasses.fields(ModelSpec)}
-    spec = ModelSpec(**{k: v for k, v in model_section.items() if k in names})
+    names = {f.name for f in dataclasses.fields(ModelShape)}
+    spec = ModelShape(**{k: v for k, v in model_section.items() if k in names})
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_length + 1), generator=gen)
     return {"model_factory": lambda: build_decoder(spec, seed), "batch": (tokens[:, :-1], tokens[:, 1:]),

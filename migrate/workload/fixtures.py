@@ -10,12 +10,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoint.model_shape import ModelShape
 from migrate.workload.metrics import RankResult
-from migrate.workload.model_spec import ModelSpec, Precision, RunSpec, TrainSpec
+from migrate.workload.model_spec import Precision, RunSpec, TrainSpec
 
-TINY_LLAMA = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+TINY_LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32)
-TINY_MIXTRAL = ModelSpec(architecture="mixtral", num_layers=2, hidden_size=64, ffn_hidden_size=96,
+TINY_MIXTRAL = ModelShape(architecture="mixtral", num_layers=2, hidden_size=64, ffn_hidden_size=96,
                          num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32,
                          num_experts=4, moe_top_k=2)
 
@@ -50,7 +51,7 @@ def launch(spec: RunSpec, world_size: int, timeout_s: float = 600.0) -> list[Ran
 
 
 def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zero_stage: int,
-                              dtype: Precision = "fp32", steps: int = 2, model: ModelSpec = TINY_LLAMA,
+                              dtype: Precision = "fp32", steps: int = 2, model: ModelShape = TINY_LLAMA,
                               global_batch_size: int = 8) -> TrainedCheckpoint:
     """Train `steps` DeepSpeed steps at DP=`world_size`, ZeRO `zero_stage`, `dtype` (fp32|bf16)
     and save with `engine.save_checkpoint(directory, tag="global_step<steps>")`."""

@@ -7,24 +7,12 @@ from typing import Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from migrate.job.schema import JobSpec
-from migrate.workload.model_spec import Engine, LRScheduleSpec, ModelSpec, OptimizerSpec, RunSpec, TrainSpec
+from migrate.workload.model_spec import Engine, LRScheduleSpec, OptimizerSpec, RunSpec, TrainSpec
 
 Side = Literal["baseline", "target"]
 
 _ENGINE_OF_FORMAT: dict[str, Engine] = {"deepspeed": "deepspeed", "megatron": "megatron", "megatron-legacy": "megatron",
                                         "dcp": "fsdp"}
-
-
-def model_spec(job: JobSpec) -> ModelSpec:
-    m = job.model
-    return ModelSpec(
-        architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.query_groups, vocab_size=m.vocab_size, seq_length=m.seq_length,
-        tied_embeddings=m.tied_embeddings, num_experts=m.num_experts, moe_top_k=m.moe_top_k,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, rotary_base=m.rotary_base, norm_eps=m.norm_eps,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-    )
 
 
 def train_spec(job: JobSpec) -> TrainSpec:
@@ -86,9 +74,9 @@ def run_spec(
                              f"{layout.order!r} places dp before tp")
         from migrate.workload.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(model_spec(job), layout.tp, sequence_parallel)
+        check_tensor_parallel(job.model.to_shape(), layout.tp, sequence_parallel)
     return RunSpec(
-        engine=engine, model=model_spec(job), steps=steps,
+        engine=engine, model=job.model.to_shape(), steps=steps,
         train=dataclasses.replace(train_spec(job), micro_batch_size=micro_batch_size or job.training.micro_batch_size),
         tp=layout.tp, pp=layout.pp, ep=layout.ep, vpp=layout.vpp,
         zero_stage=layout.zero_stage if engine == "deepspeed" else 0,

@@ -46,7 +46,7 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: 
 
     ours: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step}
     if mesh is not None:
-        spec = getattr(model, "spec", None)  # the built-in Decoder's ModelSpec: the architecture, for converters
+        spec = getattr(model, "spec", None)  # the built-in Decoder's ModelShape: the architecture, for converters
         if spec is not None:
             ours["model"] = dataclasses.asdict(spec)
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),

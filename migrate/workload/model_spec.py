@@ -1,8 +1,8 @@
-"""Frozen specs for the built-in workloads: the model, the training recipe and one run.
+"""Frozen specs for the built-in workloads: the training recipe and one run (the model is the one
+`checkpoint.model_shape.ModelShape`).
 
-`ModelSpec` mirrors the job's `model` section, `TrainSpec` its `training` section; the
-stage maps the validated job onto them. Every field is checked on construction and errors
-print every number involved.
+`TrainSpec` mirrors the job's `training` section; the stage maps the validated job onto it. Every
+field is checked on construction and errors print every number involved.
 """
 from __future__ import annotations
 
@@ -10,97 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-Architecture = Literal["gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
-ARCHITECTURES: tuple[str, ...] = ("gpt", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # routed-expert FFNs
-QKV_BIAS_ARCHITECTURES = ("qwen2",)  # q/k/v projections with biases
-QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm
+from checkpoint.model_shape import ModelShape
+
 Precision = Literal["fp32", "bf16"]
 Engine = Literal["deepspeed", "megatron", "fsdp"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelSpec:
-    """A GPT/Llama-style decoder; `mixtral` adds a top-k routed MoE FFN.
-
-    gpt: LayerNorm + GELU FFN; llama/mixtral/qwen2/qwen3: RMSNorm + SwiGLU FFN; qwen2 adds q/k/v biases,
-    qwen3 a per-head RMSNorm of q and k before RoPE, qwen3_moe is qwen3 with mixtral's routed experts (each
-    `moe_ffn_hidden_size` wide). All use rotary position embeddings and grouped-query
-    attention (`num_query_groups` KV heads).
-    """
-
-    architecture: Architecture = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    vocab_size: int = 128
-    seq_length: int = 32
-    tied_embeddings: bool = False
-    num_experts: int = 0
-    moe_top_k: int = 2
-    make_vocab_size_divisible_by: int = 1
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
-    moe_ffn_hidden_size: int = 0  # each expert's inner width; 0: ffn_hidden_size
-
-    def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"model.architecture={self.architecture!r}: expected one of {', '.join(ARCHITECTURES)}")
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"model.hidden_size({self.hidden_size}) is not divisible by "
-                             f"num_attention_heads({self.num_attention_heads})")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"model.num_attention_heads({self.num_attention_heads}) is not divisible by "
-                             f"num_query_groups({self.num_query_groups})")
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError(f"head dim {self.hidden_size}//{self.num_attention_heads} must be even for rotary")
-        if self.moe_ffn_hidden_size < 0:
-            raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be >= 0")
-        if self.architecture in MOE_ARCHITECTURES:
-            if self.num_experts < 2:
-                raise ValueError(f"model.num_experts={self.num_experts}: {self.architecture} needs >= 2 experts")
-            if not 1 <= self.moe_top_k <= self.num_experts:
-                raise ValueError(f"model.moe_top_k={self.moe_top_k} must be in [1, num_experts({self.num_experts})]")
-        elif self.num_experts not in (0, 1):
-            raise ValueError(f"model.num_experts={self.num_experts} needs architecture 'mixtral' or 'qwen3_moe', "
-                             f"got {self.architecture!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def is_moe(self) -> bool:
-        return self.architecture in MOE_ARCHITECTURES
-
-    @property
-    def expert_ffn_hidden_size(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-    @property
-    def gated_ffn(self) -> bool:
-        return self.architecture != "gpt"
-
-    @property
-    def qkv_bias(self) -> bool:
-        """q/k/v projections with biases (Qwen2; Megatron's add_qkv_bias)."""
-        return self.architecture in QKV_BIAS_ARCHITECTURES
-
-    @property
-    def qk_norm(self) -> bool:
-        """Per-head RMSNorm of q and k before RoPE (Qwen3; Megatron's qk_layernorm)."""
-        return self.architecture in QK_NORM_ARCHITECTURES
-
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -230,7 +143,7 @@ class RunSpec:
     """
 
     engine: Engine
-    model: ModelSpec
+    model: ModelShape
     train: TrainSpec
     steps: int
     tp: int = 1
@@ -255,6 +168,8 @@ class RunSpec:
                              f"checkpoint) or 'torch' (Megatron-LM's legacy per-rank files)")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.model.seq_length < 1:
+            raise ValueError(f"model.seq_length={self.model.seq_length} must be >= 1 to train")
         for name in ("tp", "pp", "ep", "vpp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from migrate.workload.model_spec import ModelSpec
+from checkpoint.model_shape import ModelShape
 
 MESH_AXES = ("dp", "tp")
 
@@ -45,7 +45,7 @@ class MeshShape:
         return divmod(rank, self.tp)
 
 
-def check_tensor_parallel(model: ModelSpec, tp: int, sequence_parallel: bool) -> None:
+def check_tensor_parallel(model: ModelShape, tp: int, sequence_parallel: bool) -> None:
     """Raise ValueError naming every split that `tp` does not divide (or an MoE model at tp > 1)."""
     if tp == 1:
         return
@@ -64,7 +64,7 @@ def check_tensor_parallel(model: ModelSpec, tp: int, sequence_parallel: bool) ->
         raise ValueError(f"tp({tp}) does not divide {', '.join(bad)} (Gloo needs even DTensor shards)")
 
 
-def tp_plan(model: ModelSpec, sequence_parallel: bool) -> dict[str, Any]:
+def tp_plan(model: ModelShape, sequence_parallel: bool) -> dict[str, Any]:
     """The `parallelize_module` plan for the whole decoder (fully-qualified module names)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -108,7 +108,7 @@ def build_mesh(device_type: str, shape: MeshShape) -> Any:
     return init_device_mesh(device_type, (shape.dp, shape.tp), mesh_dim_names=MESH_AXES)
 
 
-def parallelize(model: Any, tp_mesh: Any, spec: ModelSpec, sequence_parallel: bool) -> Any:
+def parallelize(model: Any, tp_mesh: Any, spec: ModelShape, sequence_parallel: bool) -> Any:
     """Apply `tp_plan` on the 1-D `tp_mesh`; returns the module (its params become DTensors)."""
     from torch.distributed.tensor.parallel import parallelize_module
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from migrate.workload.model_spec import ModelSpec
+from checkpoint.model_shape import ModelShape
 
 
 class RMSNorm(nn.Module):
@@ -26,11 +26,11 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def norm_layer(spec: ModelSpec) -> nn.Module:
+def norm_layer(spec: ModelShape) -> nn.Module:
     return RMSNorm(spec.hidden_size, spec.norm_eps) if spec.gated_ffn else nn.LayerNorm(spec.hidden_size, spec.norm_eps)
 
 
-def rotary_tables(spec: ModelSpec, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(spec: ModelShape, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (seq_len, head_dim) in the rotate-half convention."""
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
@@ -45,7 +45,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelShape) -> None:
         super().__init__()
         self.spec = spec
         kv = spec.num_query_groups * spec.head_dim
@@ -77,7 +77,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (gate/up/down) for the llama family, GELU (up/down) for gpt; `width` the inner width."""
 
-    def __init__(self, spec: ModelSpec, width: int | None = None) -> None:
+    def __init__(self, spec: ModelShape, width: int | None = None) -> None:
         super().__init__()
         self.gated = spec.gated_ffn
         width = width or spec.ffn_hidden_size
@@ -94,7 +94,7 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k softmax router over `num_experts` SwiGLU experts (Mixtral: renormalised top-k weights)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelShape) -> None:
         super().__init__()
         self.top_k = spec.moe_top_k
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
@@ -114,7 +114,7 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelShape) -> None:
         super().__init__()
         self.input_layernorm = norm_layer(spec)
         self.self_attn = Attention(spec)
@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Causal LM; `forward(tokens, labels)` returns the mean token cross-entropy."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelShape) -> None:
         super().__init__()
         self.spec = spec
         vocab = spec.padded_vocab_size()
@@ -159,7 +159,7 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def build_decoder(spec: ModelSpec, seed: int) -> Decoder:
+def build_decoder(spec: ModelShape, seed: int) -> Decoder:
     """A freshly initialised decoder on the CPU in fp32; same seed, same weights."""
     model = Decoder(spec)
     init_weights(model, seed)

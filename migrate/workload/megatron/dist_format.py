@@ -15,13 +15,13 @@ from migrate.workload.megatron.state import (check_data_position, gathered_rng, 
                                              keep_step_on_fully_reshardable_load, prime_adam_state, rank_rng_state,
                                              resolve_load_dir, restore_adam_steps, restore_rng, saved_adam_steps,
                                              write_tracker)
-from migrate.workload.model_spec import ModelSpec
+from checkpoint.model_shape import ModelShape
 
 
 OPTIMIZER_SHARDING_TYPE = "dp_reshardable"
 
 def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, loading: bool,
-                model: ModelSpec | None = None, sharding_type: str = OPTIMIZER_SHARDING_TYPE,
+                model: ModelShape | None = None, sharding_type: str = OPTIMIZER_SHARDING_TYPE,
                 rng: list | None = None, data: dict | None = None, consumed_tokens: int | None = None) -> dict:
     """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, the RNG states as
     Megatron-LM's `rng_state` ShardedObject (global shape (pp, tp), one replica per DP rank; `rng` is the
@@ -56,7 +56,7 @@ def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, 
     return state
 
 def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str,
-                    model: ModelSpec | None = None, micro_batch_size: int | None = None,
+                    model: ModelShape | None = None, micro_batch_size: int | None = None,
                     device_type: str = "cpu") -> str:
     """Write `iter_<step>` with dist_checkpointing (torch_dist) and update the tracker file (collective).
 

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint.model_shape import ModelShape
 from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
 from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.megatron import dist_format, legacy_format
 from migrate.workload.megatron.state import rng_fingerprint, seed_host_rng
 from migrate.workload.metrics import RankResult
-from migrate.workload.model_spec import ModelSpec, RunSpec, lr_at
+from migrate.workload.model_spec import RunSpec, lr_at
 from migrate.workload.train_state import StepTrace
 
 
@@ -49,7 +50,7 @@ CHECKPOINT_FORMATS = {
 """`--ckpt-format` -> the engine's save and load (`RunSpec.checkpoint_format`)."""
 
 
-def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
+def transformer_config(model: ModelShape, spec: RunSpec, world_size: int) -> Any:
     """Megatron-Core TransformerConfig of the run (dropout off, no fused kernels, CPU init)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -77,7 +78,7 @@ def transformer_config(model: ModelSpec, spec: RunSpec, world_size: int) -> Any:
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False, **moe)
 
-def _build_chunks(model: ModelSpec, spec: RunSpec, config: Any) -> list[torch.nn.Module]:
+def _build_chunks(model: ModelShape, spec: RunSpec, config: Any) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 

@@ -33,7 +33,7 @@ from checkpoint.formats.megatron_paths import (MODEL_FILE, OPTIM_FILE, RANK_DIR_
 from migrate.workload.megatron.state import (check_data_position, gathered_rng, iteration_dir,
                                              keep_step_on_fully_reshardable_load, restore_adam_steps, restore_rng,
                                              saved_adam_steps, write_tracker)
-from migrate.workload.model_spec import ModelSpec
+from checkpoint.model_shape import ModelShape
 
 def resolve_iteration(path: str | os.PathLike) -> Path:
     """An `iter_*` directory as is, or the one a save dir's latest_checkpointed_iteration.txt names."""
@@ -53,7 +53,7 @@ def is_legacy_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
-def megatron_args(model: ModelSpec, *, tp: int, pp: int, vpp: int, ep: int, dp: int, step: int,
+def megatron_args(model: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, dp: int, step: int,
                   consumed_samples: int, global_batch_size: int, micro_batch_size: int | None,
                   distributed_optimizer: bool, params_dtype: torch.dtype) -> argparse.Namespace:
     """The subset of Megatron-LM's arguments its loader and converters read from a legacy checkpoint."""
@@ -84,7 +84,7 @@ def _scheduler_state(step: int, global_batch_size: int) -> dict[str, Any]:
 
 
 def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str,
-                           model: ModelSpec | None = None, micro_batch_size: int | None = None,
+                           model: ModelShape | None = None, micro_batch_size: int | None = None,
                            device_type: str = "cpu") -> str:
     """Write `iter_<step>/mp_rank_*/model_optim_rng.pt` (+ `distrib_optim.pt`) as Megatron-LM's
     `save_checkpoint` does for `--ckpt-format torch`, and update the tracker file (collective).
