@@ -66,7 +66,7 @@ def train_seeds(out: Path, seeds: int, steps: int, global_batch: int) -> list[di
     missing = [s for s in range(seeds) if s not in runs]
     if missing:
         from migrate.workload.fixtures import TINY_LLAMA, launch
-        from migrate.workload.model_spec import RunSpec, TrainSpec
+        from migrate.workload.run_spec import RunSpec, TrainSpec
 
         for seed in missing:
             began = time.perf_counter()

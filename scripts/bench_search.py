@@ -59,7 +59,7 @@ def exhaustive(problem: Problem, world: int, steps: int, rounds: int, out: Path)
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.search.profiler import WorkloadProfiler
     from checkpoint.model_shape import ModelShape
-    from migrate.workload.model_spec import TrainSpec
+    from migrate.workload.run_spec import TrainSpec
 
     model = ModelShape(architecture="llama", **BENCH_MODEL)
     train = TrainSpec(global_batch_size=BENCH_GBS, precision="fp32")

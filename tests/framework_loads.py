@@ -40,7 +40,7 @@ def _rank_deepspeed(ctx: Any, model: ModelShape, load_dir: str, zero_stage: int,
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from migrate.workload.deepspeed_engine import deepspeed_config, deepspeed_load_target
-    from migrate.workload.model_spec import RunSpec, TrainSpec
+    from migrate.workload.run_spec import RunSpec, TrainSpec
     from migrate.workload.torch_model import build_decoder
 
     torch.set_num_threads(1)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from checkpoint.model_shape import ModelShape
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 # Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp; 128 rows at 64 stay 128 at
 # tp 1 and 2, so the unpadded size (which Megatron-LM's args do not record) is not needed there.

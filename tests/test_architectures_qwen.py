@@ -140,12 +140,12 @@ def test_the_built_in_decoder_is_transformers_qwen(tmp_path, family):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from checkpoint.formats.hf_config import config_json, fields_from_model_spec
+    from checkpoint.formats.hf_config import config_json, fields_from_model_shape
     from migrate.workload.torch_model import build_decoder, rotary_tables
 
     spec = MODELS[family]
     decoder = build_decoder(spec, seed=3)
-    config = config_json(fields_from_model_spec(dataclasses.asdict(spec), origin="spec"), vocab_rows=spec.vocab_size,
+    config = config_json(fields_from_model_shape(dataclasses.asdict(spec), origin="spec"), vocab_rows=spec.vocab_size,
                          dtype="float32")
     (tmp_path / "config.json").write_text(json.dumps(config))
     state = {(k if k == "lm_head.weight" else f"model.{k}"): v.contiguous() for k, v in decoder.state_dict().items()}

@@ -1,7 +1,7 @@
 """Converting DeepSpeed ZeRO and FSDP2/DCP checkpoints into Megatron-Core torch_dist at TP2 and PP2.
 
 The architecture comes from the checkpoint when the built-in engines wrote it (their client state /
-DCP extra state holds the model spec), else from `--model-config` (an HF config.json or the job YAML's
+DCP extra state holds the model shape), else from `--model-config` (an HF config.json or the job YAML's
 model section); without either the conversion stops and names the option. Checks on real checkpoints:
 the converted weights and Adam moments re-read equal to the source's (fp32 master from the fp32 params
 where the source keeps none), Adam's step is the source's (per parameter there, per param group in
@@ -27,7 +27,7 @@ from checkpoint.rules.megatron import arch_from_config
 from checkpoint.verify import compare_indexes
 from migrate.cli import main as cli
 from migrate.workload.fixtures import TINY_LLAMA, launch
-from migrate.workload.model_spec import RunSpec
+from migrate.workload.run_spec import RunSpec
 
 TINY_ARCH = ModelShape.from_dict(TINY_LLAMA.tensor_fields())  # what a checkpoint records
 HF_TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,

@@ -22,7 +22,7 @@ from convergence.gate import evaluate
 from convergence.readers import read_metrics
 from convergence.tolerances import Tolerances
 from migrate.workload.fixtures import TINY_LLAMA, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 STEPS, SAVED_AT = 16, 6
 

@@ -222,7 +222,7 @@ def test_virtual_pipeline_legacy_round_trip(tmp_path):
     bit-identically; converted to PP2 without virtual stages and written back at vPP2 (the writer's
     `convert(..., vpp=2)`): re-read equal, and Megatron-Core resumes it at vPP2 with the same losses."""
     from migrate.workload.fixtures import TINY_LLAMA
-    from migrate.workload.model_spec import RunSpec, TrainSpec
+    from migrate.workload.run_spec import RunSpec, TrainSpec
 
     spec = RunSpec(engine="megatron", model=dataclasses.replace(TINY_LLAMA, num_layers=4), steps=4, pp=2, vpp=2,
                    distributed_optimizer=True, save_every=2, checkpoint_format="torch", save_dir=str(tmp_path / "src"),

@@ -22,7 +22,7 @@ from checkpoint.materialize import iter_tensors
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import TINY_LLAMA, launch
 from migrate.workload.megatron.state import iteration_dir
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 TIED = dataclasses.replace(TINY_LLAMA, tied_embeddings=True)
 SOURCE = (1, 2)  # tp, pp

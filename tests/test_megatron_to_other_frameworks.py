@@ -23,7 +23,7 @@ from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, Tenso
 from checkpoint.plan import TargetFile, TargetSpec, make_plan
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import launch
-from migrate.workload.model_spec import RunSpec
+from migrate.workload.run_spec import RunSpec
 
 GBS = 12  # shared with tests/test_megatron_convert.py (same session checkpoints)
 

@@ -68,7 +68,7 @@ def test_memory_never_under_predicts_measured_peak_on_the_workloads():
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.search.profiler import WorkloadProfiler
     from checkpoint.model_shape import ModelShape
-    from migrate.workload.model_spec import TrainSpec
+    from migrate.workload.run_spec import TrainSpec
 
     model = ModelShape(architecture="llama", num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
                       num_query_groups=2, vocab_size=512, seq_length=64)

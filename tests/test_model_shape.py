@@ -34,7 +34,7 @@ def test_a_job_model_is_the_shape_the_search_plans_and_the_workload_trains(confi
 
 
 def test_a_shape_read_from_a_checkpoint_says_no_sequence_length_and_is_not_trained_or_searched():
-    from migrate.workload.model_spec import RunSpec, TrainSpec
+    from migrate.workload.run_spec import RunSpec, TrainSpec
     from parallel_search.space import enumerate_space
     from parallel_search.spec import ClusterShape, SpecError, TrainingShape
 

@@ -12,7 +12,7 @@ from checkpoint.state.faults import inject_fault
 from checkpoint.state.training_state import STATE_REPORT_FILE
 from migrate.stages.resume import Continuation, compare_continuations, rng_decisions
 from migrate.workload.fixtures import TINY_LLAMA, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 pytestmark = pytest.mark.slow
 

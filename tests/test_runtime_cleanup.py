@@ -100,7 +100,7 @@ def test_a_candidate_lost_to_a_fault_is_not_cached(tmp_path):
 def test_profiler_tells_faults_from_the_candidates_failures():
     from migrate.search.profiler import WorkloadProfiler
     from migrate.workload.fixtures import TINY_LLAMA
-    from migrate.workload.model_spec import TrainSpec
+    from migrate.workload.run_spec import TrainSpec
 
     class Group:
         def __init__(self, exc: Exception) -> None:

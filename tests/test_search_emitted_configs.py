@@ -72,7 +72,7 @@ def test_emitted_target_section_carries_the_micro_batch_into_a_valid_job(tmp_pat
 def test_emitted_configs_start_the_workload_at_the_chosen_layout(tmp_path, cand):
     from migrate.search.launch import run_spec_from_configs
     from migrate.workload.fixtures import TINY_LLAMA, launch
-    from migrate.workload.model_spec import TrainSpec
+    from migrate.workload.run_spec import TrainSpec
 
     paths = write_configs(tmp_path, SHAPE, TRAIN, cand)
     assert yaml.safe_load(paths["target_layout"].read_text())["target"]["layout"]["pp"] == cand.layout.pp

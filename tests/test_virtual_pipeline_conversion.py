@@ -10,7 +10,7 @@ import pytest
 
 from checkpoint.api import LayoutRequest, convert, read_index
 from migrate.workload.fixtures import TINY_LLAMA, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 
 from migrate.workload.deepspeed_engine import deepspeed_config, deepspeed_load_target
 from migrate.workload.fixtures import TINY_LLAMA, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 from workload_fixtures import workload_extensions_dir  # noqa: F401 - fixture
 
 

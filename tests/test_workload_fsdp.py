@@ -2,7 +2,7 @@
 import pytest
 
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 
 def _spec(dtype="fp32", model=TINY_LLAMA, **kw):

@@ -10,7 +10,7 @@ from checkpoint.model_shape import ModelShape
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
 from migrate.workload.megatron.engine import check_sequence_parallel, transformer_config
 from migrate.workload.megatron.state import resolve_load_dir, saved_adam_steps
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 
 def _spec(model=TINY_LLAMA, **kw):

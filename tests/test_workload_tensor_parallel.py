@@ -7,7 +7,7 @@ import pytest
 
 from checkpoint.model_shape import ModelShape
 from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 from migrate.workload.tensor_parallel import MeshShape, check_tensor_parallel, tp_plan
 
 TOL = 1e-5  # fp32: TP splits matmul reductions, so losses agree to rounding, not bit for bit

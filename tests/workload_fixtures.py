@@ -87,7 +87,7 @@ def megatron_legacy_checkpoint(tmp_path_factory):
     Import it by name in the test module (tests/conftest.py imports the older fixtures only)."""
     from migrate.workload.fixtures import TINY_LLAMA, TINY_MIXTRAL, launch
     from migrate.workload.megatron.state import iteration_dir
-    from migrate.workload.model_spec import RunSpec, TrainSpec
+    from migrate.workload.run_spec import RunSpec, TrainSpec
 
     cache: dict[tuple, TrainedCheckpoint] = {}
 

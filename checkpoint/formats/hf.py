@@ -32,7 +32,7 @@ from checkpoint.io.buffers import bytes_of
 from checkpoint.io.sources import SAFETENSORS
 from checkpoint.write import StreamPayload
 from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions, refuse_shared_params
-from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_spec
+from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_shape
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.paths import inside
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
@@ -164,7 +164,7 @@ def _st_dtype(code: str, file: Path, name: str) -> str:
 
 
 def _client_model(source: CheckpointIndex) -> Mapping[str, Any] | None:
-    """The model spec the built-in engines save (ModelShape fields): as a Megatron reader found it (meta
+    """The model shape the built-in engines save (ModelShape fields): as a Megatron reader found it (meta
     `model_spec`), else in the client state (DeepSpeed, DCP); None when there is none."""
     if isinstance(source.meta.get("model_spec"), Mapping):
         return source.meta["model_spec"]
@@ -176,11 +176,11 @@ def target_config(source: CheckpointIndex, model_config: Mapping[str, Any] | Non
                   dtype: str) -> tuple[dict[str, Any], str]:
     """The target's `config.json` and where it came from: a given HF config as it is, or one built from given
     ModelShape-style fields; else the source's own config.json; else built from Megatron-LM's args or the
-    built-in engines' model spec. Raises PlanError naming what is missing."""
+    built-in engines' model shape. Raises PlanError naming what is missing."""
     if model_config is not None:
         if "model_type" in model_config:
             return dict(model_config), "--model-config"
-        fields = fields_from_model_spec(model_config, origin="--model-config")
+        fields = fields_from_model_shape(model_config, origin="--model-config")
     elif source.meta.get("hf_config"):
         return dict(source.meta["hf_config"]), f"{source.root}/{CONFIG}"
     elif (carried := our_client_state(source.meta).get("hf_config")) is not None:  # an HF start converted on
@@ -188,7 +188,7 @@ def target_config(source: CheckpointIndex, model_config: Mapping[str, Any] | Non
     elif source.meta.get("megatron_args"):
         fields = fields_from_megatron_args(source.meta["megatron_args"], origin=f"{source.root}: Megatron-LM args")
     elif (model := _client_model(source)) is not None:
-        fields = fields_from_model_spec(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
+        fields = fields_from_model_shape(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
     else:
         raise PlanError(f"source {source.root} ({source.format}) does not record the model's configuration (norm "
                         f"epsilon, RoPE base, heads) that the HF config.json needs: pass --model-config FILE (an HF "

@@ -3,7 +3,7 @@
 transformers' `from_pretrained` starts from `config.json`; a converted folder without one does not load. The
 model's numbers come from the first of: a given `--model-config`, the source's own `config.json` (an HF
 source, carried as it is), Megatron-LM's `args` (`rotary_base`, `norm_epsilon`, `moe_router_topk`, ...), the
-model spec the built-in engines save. A field none of them records (the norm epsilon, the RoPE base) is an
+model shape the built-in engines save. A field none of them records (the norm epsilon, the RoPE base) is an
 error naming it, never a guess. `config_json` renders the fields with transformers' own config class
 (`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`, `Qwen2Config`, `Qwen3Config`) the way `save_pretrained` writes it.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import PlanError
+from checkpoint.model_shape import MOE_ARCHITECTURES, ModelShape
 from checkpoint.rules.megatron import HF_MODEL_TYPES, family_of_args
 
 # architecture -> (transformers config class, model class, model_type)
@@ -29,23 +30,20 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelFields:
-    """What `config.json` says of a decoder, in one vocabulary; `origin` names where it was read."""
+    """What a model config says of a decoder: its shape (the rotary base and norm epsilon included), the positions
+    its rotary tables cover, and `origin`, where it was read."""
 
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    tied_embeddings: bool
-    num_experts: int
-    moe_top_k: int
-    rope_theta: float
-    norm_eps: float
+    shape: ModelShape
     max_position_embeddings: int
     origin: str
-    moe_ffn_hidden_size: int = 0  # each expert's inner width; 0: ffn_hidden_size
+
+
+def _shape(origin: str, **fields: Any) -> ModelShape:
+    """The shape of the fields a config gave, or PlanError naming `origin` and the numbers that do not fit."""
+    try:
+        return ModelShape(**fields)
+    except ValueError as err:
+        raise PlanError(f"{origin}: {err}") from None
 
 
 def _need(d: Mapping[str, Any], field: str, origin: str) -> Any:
@@ -55,18 +53,19 @@ def _need(d: Mapping[str, Any], field: str, origin: str) -> Any:
     return d[field]
 
 
-def fields_from_model_spec(spec: Mapping[str, Any], *, origin: str) -> ModelFields:
+def fields_from_model_shape(spec: Mapping[str, Any], *, origin: str) -> ModelFields:
     """From ModelShape-style fields (the built-in engines' saved spec, a job's `model` section)."""
     heads = int(_need(spec, "num_attention_heads", origin))
-    return ModelFields(
-        architecture=str(_need(spec, "architecture", origin)), num_layers=int(_need(spec, "num_layers", origin)),
+    seq_length = int(_need(spec, "seq_length", origin))
+    shape = _shape(
+        origin, architecture=str(_need(spec, "architecture", origin)), num_layers=int(_need(spec, "num_layers", origin)),
         hidden_size=int(_need(spec, "hidden_size", origin)), ffn_hidden_size=int(_need(spec, "ffn_hidden_size", origin)),
         num_attention_heads=heads, num_query_groups=int(spec.get("num_query_groups") or spec.get("query_groups") or heads),
         vocab_size=int(_need(spec, "vocab_size", origin)), tied_embeddings=bool(spec.get("tied_embeddings", False)),
         num_experts=int(spec.get("num_experts") or 0), moe_top_k=int(spec.get("moe_top_k") or 2),
-        rope_theta=float(_need(spec, "rotary_base", origin)), norm_eps=float(_need(spec, "norm_eps", origin)),
-        max_position_embeddings=int(_need(spec, "seq_length", origin)), origin=origin,
-        moe_ffn_hidden_size=int(spec.get("moe_ffn_hidden_size") or 0))
+        rotary_base=float(_need(spec, "rotary_base", origin)), norm_eps=float(_need(spec, "norm_eps", origin)),
+        seq_length=seq_length, moe_ffn_hidden_size=int(spec.get("moe_ffn_hidden_size") or 0))
+    return ModelFields(shape=shape, max_position_embeddings=seq_length, origin=origin)
 
 
 def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFields:
@@ -85,18 +84,19 @@ def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFie
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
     heads = int(c.num_attention_heads)
-    return ModelFields(
-        architecture=family, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
+    moe = family in MOE_ARCHITECTURES
+    shape = _shape(
+        origin, architecture=family, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
         ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
         num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), vocab_size=int(c.vocab_size),
         tied_embeddings=bool(c.tie_word_embeddings),
-        num_experts=int(getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0) or 0),
-        moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0),
+        num_experts=int(getattr(c, "num_local_experts", 0) or getattr(c, "num_experts", 0) or 0) if moe else 0,
+        moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0) if moe else 0,
         moe_top_k=int(getattr(c, "num_experts_per_tok", 2) or 2),
-        rope_theta=float(_need({"rope_theta": theta}, "rope_theta", origin)),
+        rotary_base=float(_need({"rope_theta": theta}, "rope_theta", origin)),
         norm_eps=float(_need({"norm_eps": getattr(c, "rms_norm_eps", getattr(c, "norm_epsilon", None))}, "norm_eps",
-                             origin)),
-        max_position_embeddings=int(c.max_position_embeddings), origin=origin)
+                             origin)))
+    return ModelFields(shape=shape, max_position_embeddings=int(c.max_position_embeddings), origin=origin)
 
 
 def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelFields:
@@ -117,16 +117,18 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     experts = int(args.get("num_experts") or 0)
     family = family_of_args(args)
-    return ModelFields(
-        architecture=family, num_layers=int(_need(args, "num_layers", origin)),
+    shape = _shape(
+        origin, architecture=family, num_layers=int(_need(args, "num_layers", origin)),
         hidden_size=int(_need(args, "hidden_size", origin)), ffn_hidden_size=int(_need(args, "ffn_hidden_size", origin)),
         num_attention_heads=heads, num_query_groups=groups,
         vocab_size=int(args.get("vocab_size") or _need(args, "padded_vocab_size", origin)),
         tied_embeddings=not bool(args.get("untie_embeddings_and_output_weights", False)), num_experts=experts,
-        moe_top_k=int(args.get("moe_router_topk") or 2), rope_theta=float(args.get("rotary_base") or 10000),
-        norm_eps=float(args.get("norm_epsilon") or 1e-5),
-        max_position_embeddings=int(args.get("max_position_embeddings") or _need(args, "seq_length", origin)),
-        origin=origin, moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or 0) if experts else 0)
+        moe_top_k=int(args.get("moe_router_topk") or 2), rotary_base=float(args.get("rotary_base") or 10000),
+        norm_eps=float(args.get("norm_epsilon") or 1e-5), seq_length=int(args.get("seq_length") or 0),
+        moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or 0) if experts else 0)
+    return ModelFields(shape=shape, origin=origin,
+                       max_position_embeddings=int(args.get("max_position_embeddings")
+                                                   or _need(args, "seq_length", origin)))
 
 
 def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str, Any]:
@@ -134,32 +136,33 @@ def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str
     `save_pretrained` does), with the vocabulary the embedding really has (`vocab_rows`, padding included)."""
     import transformers
 
-    if fields.architecture not in HF_CLASSES:
-        raise PlanError(f"{fields.origin}: architecture {fields.architecture!r} has no HF model class; known: "
+    m = fields.shape
+    if m.architecture not in HF_CLASSES:
+        raise PlanError(f"{fields.origin}: architecture {m.architecture!r} has no HF model class; known: "
                         f"{sorted(HF_CLASSES)}")
-    config_cls, model_cls, _ = HF_CLASSES[fields.architecture]
-    common = dict(vocab_size=vocab_rows, hidden_size=fields.hidden_size, intermediate_size=fields.ffn_hidden_size,
-                  num_hidden_layers=fields.num_layers, num_attention_heads=fields.num_attention_heads,
-                  num_key_value_heads=fields.num_query_groups, max_position_embeddings=fields.max_position_embeddings,
-                  tie_word_embeddings=fields.tied_embeddings, architectures=[model_cls], dtype=dtype,
-                  rope_parameters={"rope_type": "default", "rope_theta": fields.rope_theta})
-    if fields.architecture == "gpt":
-        extra = dict(norm_epsilon=fields.norm_eps, hidden_act="gelu", use_bias=False, sliding_window=None,
+    config_cls, model_cls, _ = HF_CLASSES[m.architecture]
+    common = dict(vocab_size=vocab_rows, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                  num_key_value_heads=m.num_query_groups, max_position_embeddings=fields.max_position_embeddings,
+                  tie_word_embeddings=m.tied_embeddings, architectures=[model_cls], dtype=dtype,
+                  rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base})
+    if m.architecture == "gpt":
+        extra = dict(norm_epsilon=m.norm_eps, hidden_act="gelu", use_bias=False, sliding_window=None,
                      bos_token_id=None, eos_token_id=None)
     else:
-        extra = dict(rms_norm_eps=fields.norm_eps, head_dim=fields.hidden_size // fields.num_attention_heads)
-        if fields.architecture == "mixtral":
-            extra |= dict(num_local_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
+        extra = dict(rms_norm_eps=m.norm_eps, head_dim=m.hidden_size // m.num_attention_heads)
+        if m.architecture == "mixtral":
+            extra |= dict(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_top_k,
                           sliding_window=None)
-        if fields.architecture == "qwen3_moe":  # every layer MoE, Megatron-Core's normalised top-k weights
-            extra |= dict(num_experts=fields.num_experts, num_experts_per_tok=fields.moe_top_k,
-                          moe_intermediate_size=fields.moe_ffn_hidden_size or fields.ffn_hidden_size,
+        if m.architecture == "qwen3_moe":  # every layer MoE, Megatron-Core's normalised top-k weights
+            extra |= dict(num_experts=m.num_experts, num_experts_per_tok=m.moe_top_k,
+                          moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-        if fields.architecture in ("qwen2", "qwen3", "qwen3_moe"):  # full attention in every layer
+        if m.architecture in ("qwen2", "qwen3", "qwen3_moe"):  # full attention in every layer
             extra |= dict(use_sliding_window=False, sliding_window=None, hidden_act="silu", bos_token_id=None,
                           eos_token_id=None)
-        if fields.architecture in ("qwen2", "qwen3"):
-            extra |= dict(max_window_layers=fields.num_layers, layer_types=["full_attention"] * fields.num_layers)
+        if m.architecture in ("qwen2", "qwen3"):
+            extra |= dict(max_window_layers=m.num_layers, layer_types=["full_attention"] * m.num_layers)
     config = getattr(transformers, config_cls)(**common, **extra)
     return json.loads(config.to_json_string(use_diff=True))
 

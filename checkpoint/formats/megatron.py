@@ -42,7 +42,7 @@ from checkpoint.write import FileRecord, StreamPayload
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
 from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
-from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fields_from_model_spec
+from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fields_from_model_shape
 from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
                                               overrides, synthesized_args, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
@@ -322,7 +322,7 @@ def arch_of_common(common: Mapping[str, Any], where: Path,
     elif given is not None:
         return given, []
     else:
-        raise CheckpointFormatError(f"{where}: holds neither Megatron-LM's args nor a model spec (migrate.model); "
+        raise CheckpointFormatError(f"{where}: holds neither Megatron-LM's args nor a model shape (migrate.model); "
                                     f"pass --model-config FILE (an HF config.json or a job's model section)")
     if given is None:
         return saved, []
@@ -446,7 +446,7 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
 
 def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...], root: Path) -> None:
     if got != want:
-        raise LayoutMismatchError(f"{root}: {key} has global shape {got} but the model spec gives {want}")
+        raise LayoutMismatchError(f"{root}: {key} has global shape {got} but the model shape gives {want}")
 
 
 def _dedupe_check(entries: list[TensorEntry], root: Path) -> None:
@@ -585,7 +585,7 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout:
 
 
 def saved_model_spec(common: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The model spec the built-in engines save (`migrate.model`: ModelShape fields), None when absent."""
+    """The model shape the built-in engines save (`migrate.model`: ModelShape fields), None when absent."""
     model = (common.get("migrate") or {}).get("model")
     return dict(model) if isinstance(model, Mapping) else None
 
@@ -732,7 +732,7 @@ def writer_ranks(layout: ParallelLayout, *, tp_rank: int, pp_rank: int, ep_rank:
 
 
 def source_arch(source: CheckpointIndex, model_config: Mapping[str, Any] | None = None) -> ModelShape:
-    """The architecture of `source` for the rules: the Megatron reader's (meta 'arch'), else the model spec
+    """The architecture of `source` for the rules: the Megatron reader's (meta 'arch'), else the model shape
     the built-in engines save in their client state (`migrate.model`), else the source's HF config.json (an
     HF-Trainer folder's), else `model_config` (an HF config or
     ModelShape fields, `arch_from_config`). A given `model_config` must agree with the checkpoint's.
@@ -766,7 +766,7 @@ _TORCH_ADAMW_GROUP = {"amsgrad": False, "capturable": False, "decoupled_weight_d
 def megatron_meta_from(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
     """What a Megatron target needs that a source of another format (DeepSpeed, DCP) does not hold in
     Megatron's terms, built from its canonical train state: `common` (iteration, checkpoint_version and the
-    built-in engines' state with the model spec; RNG not carried across frameworks), the optimizer param
+    built-in engines' state with the model shape; RNG not carried across frameworks), the optimizer param
     groups Megatron-Core builds (decay, then no-decay for norms/biases, each with the source's Adam
     hyper-parameters and its step), the model dtype and the layers' empty `_extra_state` objects."""
     ts = source.meta.get("train_state") or {}
@@ -834,13 +834,13 @@ def _hf_config(source: CheckpointIndex) -> dict[str, Any] | None:
 
 def _model_fields(source: CheckpointIndex) -> ModelFields | None:
     """The model's norm epsilon, RoPE base and positions as the source records them (its HF config, else the
-    built-in engines' model spec); None when it records neither."""
+    built-in engines' model shape); None when it records neither."""
     if (config := _hf_config(source)) is not None:
         return fields_from_hf_config(config, origin=f"{source.root}: config.json")
     model = our_client_state(source.meta).get("model")
     if isinstance(model, Mapping):
         try:
-            return fields_from_model_spec(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
+            return fields_from_model_shape(model, origin=f"{source.root}: {CLIENT_STATE_KEY}.model")
         except PlanError:
             return None
     return None
@@ -891,7 +891,7 @@ def is_weights_only(source: CheckpointIndex) -> bool:
 
 def pretrained_meta(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
     """A weights-only source as a Megatron pretrained start (Megatron-LM's --finetune): iteration 0, no
-    optimizer state or param groups, no RNG; the model spec and the layers' empty `_extra_state` objects."""
+    optimizer state or param groups, no RNG; the model shape and the layers' empty `_extra_state` objects."""
     params = [e for e in source.entries if e.key.kind is Kind.PARAM]
     spec = arch.tensor_fields()
     ours: dict[str, Any] = {"step": 0, "model": spec}

@@ -236,9 +236,9 @@ def synthesized_args(arch: ModelShape, fields: ModelFields | None, *, iteration:
         "iteration": iteration, "no_save_rng": True,
         "no_save_optim": True if weights_only else None, "consumed_valid_samples": 0, "skipped_train_samples": 0}
     if fields is not None:
-        a |= {"norm_epsilon": fields.norm_eps, "rotary_base": fields.rope_theta,
+        a |= {"norm_epsilon": fields.shape.norm_eps, "rotary_base": fields.shape.rotary_base,
               "max_position_embeddings": fields.max_position_embeddings,
-              "moe_router_topk": fields.moe_top_k if arch.num_experts else None}
+              "moe_router_topk": fields.shape.moe_top_k if arch.num_experts else None}
     if global_batch_size:
         a |= {"global_batch_size": int(global_batch_size), "consumed_train_samples": iteration * int(global_batch_size)}
     if hf_tokenizer:

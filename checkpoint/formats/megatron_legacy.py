@@ -5,7 +5,7 @@ On disk (`iter_NNNNNNN/`, Megatron-LM's `get_checkpoint_name`): one directory pe
 * `model_optim_rng.pt`: {args (argparse.Namespace), checkpoint_version, iteration, model | model0..
   (the chunk's local tensors, layers numbered locally, experts `mlp.experts.local_experts.{i}`), optimizer
   (`optimizer.state_dict()`), opt_param_scheduler, rng_state (list: one state, or one per DP rank),
-  num_floating_point_operations_so_far, migrate (the built-in engines' state and model spec)};
+  num_floating_point_operations_so_far, migrate (the built-in engines' state and model shape)};
 * `distrib_optim.pt` (DistributedOptimizer): Megatron-Core's `save_parameter_state`, the DP-rank-0 gather
   `{buckets_coalesced, gbuf_idx: {(param dtype, grad dtype): {param, exp_avg, exp_avg_sq, numel_unpadded}}}`,
   one flat fp32 world tensor per grad buffer (= model chunk), params in reverse named_parameters order each

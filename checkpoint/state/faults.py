@@ -27,7 +27,7 @@ Faults that only the state check at load sees at once (a converter's subtle mist
   moments alike (Megatron-Core `linear_fc1`; a converter that merged them in the wrong order; Megatron-LM
   legacy files: the weights and the flat buffers of `distrib_optim.pt`);
 * `swap_qkv_kv`: the K and V rows of every query group of every fused QKV weight exchanged, as
-  `swap_glu_halves` (Megatron-Core `linear_qkv`; the head counts from our model spec in `common.pt`;
+  `swap_glu_halves` (Megatron-Core `linear_qkv`; the head counts from our model shape in `common.pt`;
   legacy files only without `distrib_optim.pt`, whose flat buffers do not hold K and V contiguously).
 DeepSpeed takes every fault except the two fused-weight ones (its QKV and GLU are not fused); Megatron-Core torch_dist and
 legacy files take every fault except `reset_lr` (Megatron-Core derives the LR from the iteration); DCP every
@@ -368,7 +368,7 @@ def _inject_dcp_tensors(root: Path, fault: str, model: Mapping[str, Any] | None 
                     replace[chunks[0]], replace[chunks[1]] = _serialized(second), _serialized(first)
     elif fault == "swap_qkv_kv":
         if model is None:
-            raise CheckpointFormatError(f"{root}: swap_qkv_kv needs the model's head counts (our model spec in "
+            raise CheckpointFormatError(f"{root}: swap_qkv_kv needs the model's head counts (our model shape in "
                                         f"common.pt), found none")
         for idx in ordered:
             if roles[idx][1].endswith("linear_qkv.weight"):

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.model_shape import ModelShape
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 

@@ -16,7 +16,7 @@ import yaml
 
 from checkpoint.layout import ParallelLayout
 from checkpoint.model_shape import ModelShape
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 
 
 def _megatron_parser() -> argparse.ArgumentParser:

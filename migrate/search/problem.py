@@ -5,7 +5,7 @@ from pathlib import Path
 
 from checkpoint.model_shape import ModelShape
 from migrate.job.load import Job
-from migrate.workload.model_spec import LRScheduleSpec, OptimizerSpec, TrainSpec
+from migrate.workload.run_spec import LRScheduleSpec, OptimizerSpec, TrainSpec
 from parallel_search.emit import Recipe
 from parallel_search.profiles import DeviceProfile, load_profile
 from parallel_search.spec import ClusterShape, TrainingShape

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from checkpoint.model_shape import ModelShape
 from migrate.runtime.worker_group import WorkerGroup, WorkerGroupError
-from migrate.workload.model_spec import RunSpec, TrainSpec
+from migrate.workload.run_spec import RunSpec, TrainSpec
 from parallel_search.emit import deepspeed_config, megatron_args
 from parallel_search.search import Measurement
 from parallel_search.space import Candidate

@@ -17,7 +17,7 @@ from convergence.stability import (HealthLimits, Recovery, Segment, StabilityVer
                                    periodic_slowdown, step_times)
 from checkpoint.layout import ParallelLayout
 from migrate.pipeline.stage import StageOptions
-from migrate.workload.model_spec import Engine, Kill
+from migrate.workload.run_spec import Engine, Kill
 
 if TYPE_CHECKING:
     from migrate.workload.long_run import RunRecords

@@ -30,7 +30,7 @@ from migrate.stages._stability_model import (DEFAULT_STEPS, MIB, Attempt, KillFa
                                              StabilityOptions, decide_recovery, judge, memory_segments,
                                              merged_steps, recoveries, worst_trend)
 from migrate.stages._stability_report import write_outputs
-from migrate.workload.model_spec import Kill
+from migrate.workload.run_spec import Kill
 
 __all__ = ["Attempt", "DEFAULT_STEPS", "KillFault", "RecoveryDecision", "RunPlan", "STAGE", "StabilityOptions",
            "decide_recovery", "judge", "memory_segments", "merged_steps", "recoveries", "run", "worst_trend"]
@@ -80,7 +80,7 @@ def _run_attempt(ctx: StageContext, plan: RunPlan, options: StabilityOptions, *,
     from migrate.workload.engines import rank_entry
     from migrate.workload.from_job import run_spec
     from migrate.workload.long_run import RANK_FILE, read_records
-    from migrate.workload.model_spec import LongRun
+    from migrate.workload.run_spec import LongRun
 
     job = ctx.job.spec
     directory = ctx.work_dir / f"attempt{index}"
@@ -150,7 +150,7 @@ def _reference_run(ctx: StageContext, plan: RunPlan, options: StabilityOptions, 
     """An uninterrupted run from `load` to `last` (or `verify_steps` after it): no faults, no checkpoints."""
     from migrate.workload.engines import rank_entry
     from migrate.workload.from_job import run_spec
-    from migrate.workload.model_spec import LongRun
+    from migrate.workload.run_spec import LongRun
     from migrate.workload.long_run import read_records
 
     job = ctx.job.spec

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
 from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.metrics import RankResult, ScheduledLR
-from migrate.workload.model_spec import RunSpec
+from migrate.workload.run_spec import RunSpec
 from migrate.workload.torch_model import build_decoder
 from migrate.workload.train_state import CLIENT_STATE_KEY, StepTrace, gather_state, restore_state, seed_rng
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from checkpoint.model_shape import ModelShape
 from migrate.workload.metrics import RankResult
-from migrate.workload.model_spec import Precision, RunSpec, TrainSpec
+from migrate.workload.run_spec import Precision, RunSpec, TrainSpec
 
 TINY_LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from migrate.job.schema import JobSpec
-from migrate.workload.model_spec import Engine, LRScheduleSpec, OptimizerSpec, RunSpec, TrainSpec
+from migrate.workload.run_spec import Engine, LRScheduleSpec, OptimizerSpec, RunSpec, TrainSpec
 
 Side = Literal["baseline", "target"]
 

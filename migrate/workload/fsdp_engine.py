@@ -25,7 +25,7 @@ import torch.distributed as dist
 from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
 from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.metrics import RankResult, ScheduledLR
-from migrate.workload.model_spec import RunSpec
+from migrate.workload.run_spec import RunSpec
 from migrate.workload.tensor_parallel import MeshShape, build_mesh, check_tensor_parallel, parallelize
 from migrate.workload.torch_model import build_decoder
 from migrate.workload.train_state import StepTrace
@@ -39,7 +39,7 @@ def step_dir(save_dir: str, step: int) -> str:
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: ScheduledLR,
            sampler: SamplerState, step: int, mesh: MeshShape | None) -> dict[str, Any]:
     """The DCP state dict; `mesh` None makes a load template, which leaves out what older and
-    converted checkpoints may not hold (the model spec). The (dp, tp) layout is not stored: it is
+    converted checkpoints may not hold (the model shape). The (dp, tp) layout is not stored: it is
     in the chunks' geometry (`checkpoint.formats.dcp` reads it there; values would go stale when
     a converter carries them over), and DCP's load reshards to any other layout."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

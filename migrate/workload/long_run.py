@@ -34,7 +34,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from migrate.workload.model_spec import LongRun
+from migrate.workload.run_spec import LongRun
 
 RANK_FILE = "rank{rank}.jsonl"
 CHECKPOINTS_FILE = "checkpoints.jsonl"

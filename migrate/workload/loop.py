@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from migrate.workload.data import SamplerState, global_batch_indices
 from migrate.workload.long_run import StepProbe
 from migrate.workload.metrics import MetricsLog, RankResult, StepMetrics, peak_memory_bytes
-from migrate.workload.model_spec import RunSpec
+from migrate.workload.run_spec import RunSpec
 from migrate.workload.train_state import StepTrace
 
 

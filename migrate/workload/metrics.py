@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from migrate.workload.model_spec import LRScheduleSpec, lr_at
+from migrate.workload.run_spec import LRScheduleSpec, lr_at
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

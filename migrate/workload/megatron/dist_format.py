@@ -26,7 +26,7 @@ def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, 
     """The sharded state dict Megatron-LM writes: model chunk(s), optimizer, iteration, the RNG states as
     Megatron-LM's `rng_state` ShardedObject (global shape (pp, tp), one replica per DP rank; `rng` is the
     list it holds: one state, or one per DP rank when they differ), ours (sampler, step, data position,
-    consumed tokens and the model spec, so converters know the architecture from the checkpoint alone)."""
+    consumed tokens and the model shape, so converters know the architecture from the checkpoint alone)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 

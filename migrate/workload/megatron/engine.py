@@ -12,7 +12,7 @@ On CPUs it runs inside `migrate.workload.megatron.cpu_adapter.cpu_device_adapter
 The checkpoint holds `model` (`model0`, `model1`, ... with virtual stages), `optimizer`
 (sharding type `distrib_optim_sharding_type`, default 'dp_reshardable'; 0.16.1's default
 fails on save), `iteration`, `checkpoint_version`, `rng_state` (every rank's RNG as Megatron-LM saves
-it) and `migrate` (sampler state, step, data position, consumed tokens, model spec).
+it) and `migrate` (sampler state, step, data position, consumed tokens, model shape).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.megatron import dist_format, legacy_format
 from migrate.workload.megatron.state import rng_fingerprint, seed_host_rng
 from migrate.workload.metrics import RankResult
-from migrate.workload.model_spec import RunSpec, lr_at
+from migrate.workload.run_spec import RunSpec, lr_at
 from migrate.workload.train_state import StepTrace
 
 

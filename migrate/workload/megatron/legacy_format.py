@@ -5,7 +5,7 @@ On disk (Megatron-LM's `get_checkpoint_name`): `<save_dir>/iter_<NNNNNNN>/mp_ran
 * `model_optim_rng.pt`: torch.save of {args (argparse.Namespace), checkpoint_version 3.0, iteration,
   model | model0, model1, ... (each chunk's `state_dict_for_save_checkpoint()`), optimizer
   (`optimizer.state_dict()`), opt_param_scheduler, rng_state (list), num_floating_point_operations_so_far,
-  migrate (ours: sampler, step, data position, consumed tokens, model spec)}, written by the ranks whose
+  migrate (ours: sampler, step, data position, consumed tokens, model shape)}, written by the ranks whose
   data-parallel or expert-data-parallel rank is 0, and
 * `distrib_optim.pt` (DistributedOptimizer only): `optimizer.save_parameter_state(filename)`, Megatron-Core's
   DP-rank-0 gather of the whole DP group's fp32 master / exp_avg / exp_avg_sq, one flat tensor per grad buffer.
@@ -93,7 +93,7 @@ def save_legacy_checkpoint(chunks: list, optimizer: Any, step: int, sampler: Sam
 
 
     if model is None:
-        raise ValueError("save_legacy_checkpoint needs the model spec (converters read the architecture from it)")
+        raise ValueError("save_legacy_checkpoint needs the model shape (converters read the architecture from it)")
     tp, pp, ep = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                   ps.get_expert_model_parallel_world_size())
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
