@@ -145,7 +145,7 @@ class ModelShape:
 
     def layer_params(self) -> int:
         """Parameters of one transformer layer (all experts; router included)."""
-        experts = max(self.num_experts, 1) if self.is_moe else 1
+        experts = self.num_experts if self.is_moe else 1
         router = self.hidden_size * self.num_experts if self.is_moe else 0
         return self.attention_params_per_layer + experts * self.ffn_params_per_expert + self.norm_params_per_layer + router
 

@@ -14,7 +14,7 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class SpecError(ValueError):
-    """A model, training or cluster description whose numbers do not fit together."""
+    """A training or cluster description whose numbers do not fit together."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
