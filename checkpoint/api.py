@@ -118,8 +118,25 @@ def plan_conversion(index: CheckpointIndex, *, to: str, target: LayoutRequest = 
         why = "map canonical names themselves" if spec.names == "canonical" else "keep the source's module names"
         raise PlanError(f"--param-names {param_names}: {to} targets {why}; formats that take --param-names: "
                         f"{', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
+    _refuse_unmapped_architecture(index, to)
     index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
     return make_plan(index, spec.target(index, opts)), spec.writer
+
+
+MLA_TARGETS = ("megatron", "hf")
+"""The formats a DeepSeek-V3-class (multi-latent attention) source converts to so far."""
+
+
+def _refuse_unmapped_architecture(index: CheckpointIndex, to: str) -> None:
+    """Refuse, naming the architecture and the formats it converts to, a conversion of a multi-latent-attention
+    source into a format whose writer has no rules for it yet."""
+    from checkpoint.model_shape import MLA_ARCHITECTURES
+
+    family = (index.meta.get("arch") or {}).get("architecture")
+    if family in MLA_ARCHITECTURES and to not in MLA_TARGETS:
+        raise PlanError(f"{index.root}: a {family} model (multi-latent attention) converts to "
+                        f"{' and '.join(MLA_TARGETS)} (torch_dist at any TP/PP/EP/DP; transformers' DeepseekV3) only so far, "
+                        f"not to {to}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -78,8 +78,17 @@ def megatron_args(model: ModelShape, train: TrainingShape, cand: Candidate, *, o
         args += ["--swiglu", "--normalization", "RMSNorm"]
     if model.qkv_bias:
         args += ["--add-qkv-bias"]
-    if model.qk_norm:
+    if model.qk_norm or model.is_mla:
         args += ["--qk-layernorm"]
+    if model.is_mla:  # DeepSeek-V3: MLA, first-k dense layers, shared experts, the aux-loss-free router
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(model.kv_lora_rank),
+                 "--qk-head-dim", str(model.qk_head_dim), "--qk-pos-emb-head-dim", str(model.qk_pos_emb_head_dim),
+                 "--v-head-dim", str(model.v_head_dim), "--moe-layer-freq", f"[{','.join(map(str, model.moe_layer_freq))}]",
+                 "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+        if model.q_lora_rank:
+            args += ["--q-lora-rank", str(model.q_lora_rank)]
+        if model.shared_expert_ffn_hidden_size:
+            args += ["--moe-shared-expert-intermediate-size", str(model.shared_expert_ffn_hidden_size)]
     if not model.tied_embeddings:
         args += ["--untie-embeddings-and-output-weights"]
     if model.is_moe:

@@ -89,7 +89,7 @@ class MegatronLMRun:
         model = self.model or (MIXTRAL if self.moe else GPT if self.gpt else LLAMA)
         return RunSpec(engine="megatron", model=model, steps=self.steps, tp=self.tp,
                        pp=self.pp, ep=self.ep, distributed_optimizer=self.distributed_optimizer,
-                       sequence_parallel=self.moe and self.tp > 1,
+                       sequence_parallel=model.is_moe and self.tp > 1,
                        train=TrainSpec(global_batch_size=self.global_batch_size, precision=self.precision))
 
 
@@ -107,7 +107,7 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         num_attention_heads=m.num_attention_heads, group_query_attention=m.num_query_groups != m.num_attention_heads,
         num_query_groups=m.num_query_groups, kv_channels=m.head_dim, swiglu=m.gated_ffn,
         normalization="RMSNorm" if m.gated_ffn else "LayerNorm",
-        norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=m.qkv_bias, qk_layernorm=m.qk_norm,
+        norm_epsilon=m.norm_eps, add_bias_linear=False, add_qkv_bias=m.qkv_bias, qk_layernorm=m.qk_norm or m.is_mla,
         untie_embeddings_and_output_weights=not m.tied_embeddings, vocab_size=None,
         padded_vocab_size=m.padded_vocab_size(run.tp), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         position_embedding_type="rope", add_position_embedding=True, rotary_base=int(m.rotary_base), rotary_percent=1.0,
@@ -115,8 +115,12 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         openai_gelu=False,
         seq_length=m.seq_length, max_position_embeddings=m.seq_length, tokenizer_type="HuggingFaceTokenizer",
         vocab_file=None, num_experts=m.num_experts or None, moe_ffn_hidden_size=m.expert_ffn_hidden_size if m.is_moe else None,
-        moe_router_topk=m.moe_top_k, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
-        multi_latent_attention=False, mtp_num_layers=None,
+        moe_router_topk=m.moe_top_k, moe_layer_freq=m.moe_layer_freq if m.is_mla else 1,
+        moe_shared_expert_intermediate_size=m.shared_expert_ffn_hidden_size or None,
+        moe_router_enable_expert_bias=m.is_mla, moe_router_score_function="sigmoid" if m.is_mla else "softmax",
+        multi_latent_attention=m.is_mla, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank or None,
+        qk_head_dim=m.qk_head_dim or None, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim or None,
+        v_head_dim=m.v_head_dim or None, mtp_num_layers=None,
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.tp, context_parallel_size=1,

@@ -216,7 +216,7 @@ def _with_args(src: Path, dst: Path, **changes) -> Path:
 @pytest.mark.parametrize("field,value,named", [
     ("add_bias_linear", True, "add_bias_linear=True (linear-layer biases)"),
     ("position_embedding_type", "learned_absolute", "position_embedding_type='learned_absolute'"),
-    ("multi_latent_attention", True, "multi_latent_attention=True (multi-latent attention)"),
+    ("multi_latent_attention", True, "multi_latent_attention=True (multi-latent attention outside a SwiGLU MoE model"),
     ("num_layers", None, "Megatron-LM args lack num_layers"),
     ("world_size", 3, "data_parallel_size=2 but world_size=3 / (tp=1 * pp=1 * cp=1) = 3"),
 ])

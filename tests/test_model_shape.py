@@ -52,7 +52,7 @@ def test_a_shape_read_from_a_checkpoint_says_no_sequence_length_and_is_not_train
     ({"num_query_groups": 3}, r"num_attention_heads\(4\) is not divisible by num_query_groups\(3\)"),
     ({"hidden_size": 60, "num_attention_heads": 4}, r"head dim 60//4 must be even for rotary"),
     ({"architecture": "mixtral"}, "architecture 'mixtral' needs num_experts >= 2, got 0"),
-    ({"num_experts": 4}, "model.num_experts=4 needs architecture 'mixtral' or 'qwen3_moe', got 'llama'"),
+    ({"num_experts": 4}, "model.num_experts=4 needs architecture 'mixtral' or 'qwen3_moe' or 'deepseek_v3', got 'llama'"),
 ])
 def test_numbers_that_do_not_fit_name_the_field(change, message):
     base = dict(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

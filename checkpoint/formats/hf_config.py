@@ -5,19 +5,21 @@ model's numbers come from the first of: a given `--model-config`, the source's o
 source, carried as it is), Megatron-LM's `args` (`rotary_base`, `norm_epsilon`, `moe_router_topk`, ...), the
 model shape the built-in engines save. A field none of them records (the norm epsilon, the RoPE base) is an
 error naming it, never a guess. `config_json` renders the fields with transformers' own config class
-(`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`, `Qwen2Config`, `Qwen3Config`) the way `save_pretrained` writes it.
+(`LlamaConfig`, `MixtralConfig`, `Starcoder2Config`, `Qwen2Config`, `Qwen3Config`, `Qwen3MoeConfig`,
+`DeepseekV3Config`) the way `save_pretrained` writes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.errors import PlanError
-from checkpoint.model_shape import MOE_ARCHITECTURES, ModelShape
-from checkpoint.rules.megatron import HF_MODEL_TYPES, family_of_args
+from checkpoint.model_shape import MLA_TENSOR_FIELDS, MOE_ARCHITECTURES, ModelShape
+from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config, family_of_args, first_k_dense
 
 # architecture -> (transformers config class, model class, model_type)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
@@ -25,7 +27,8 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
               "gpt": ("Starcoder2Config", "Starcoder2ForCausalLM", "starcoder2"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
-              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe")}
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe"),
+              "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +67,8 @@ def fields_from_model_shape(spec: Mapping[str, Any], *, origin: str) -> ModelFie
         vocab_size=int(_need(spec, "vocab_size", origin)), tied_embeddings=bool(spec.get("tied_embeddings", False)),
         num_experts=int(spec.get("num_experts") or 0), moe_top_k=int(spec.get("moe_top_k") or 2),
         rotary_base=float(_need(spec, "rotary_base", origin)), norm_eps=float(_need(spec, "norm_eps", origin)),
-        seq_length=seq_length, moe_ffn_hidden_size=int(spec.get("moe_ffn_hidden_size") or 0))
+        seq_length=seq_length, moe_ffn_hidden_size=int(spec.get("moe_ffn_hidden_size") or 0),
+        **{f: int(spec.get(f) or 0) for f in MLA_TENSOR_FIELDS})
     return ModelFields(shape=shape, max_position_embeddings=seq_length, origin=origin)
 
 
@@ -85,6 +89,12 @@ def fields_from_hf_config(config: Mapping[str, Any], *, origin: str) -> ModelFie
     theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
     heads = int(c.num_attention_heads)
     moe = family in MOE_ARCHITECTURES
+    if family == "deepseek_v3":  # its MLA, dense-layer and shared-expert fields as the rules read them
+        mla = arch_from_config(config, where=origin)
+        shape = _shape(origin, **(dataclasses.asdict(mla) | {
+            "rotary_base": float(_need({"rope_theta": theta}, "rope_theta", origin)),
+            "norm_eps": float(_need({"norm_eps": getattr(c, "rms_norm_eps", None)}, "norm_eps", origin))}))
+        return ModelFields(shape=shape, max_position_embeddings=int(c.max_position_embeddings), origin=origin)
     shape = _shape(
         origin, architecture=family, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
         ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
@@ -117,6 +127,13 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     experts = int(args.get("num_experts") or 0)
     family = family_of_args(args)
+    mla: dict[str, Any] = {}
+    if family == "deepseek_v3":
+        groups = heads
+        mla = {f: int(args.get(f) or 0) for f in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                                  "v_head_dim")}
+        mla |= {"first_k_dense": first_k_dense(args.get("moe_layer_freq", 1), int(args["num_layers"])) or 0,
+                "shared_expert_ffn_hidden_size": int(args.get("moe_shared_expert_intermediate_size") or 0)}
     shape = _shape(
         origin, architecture=family, num_layers=int(_need(args, "num_layers", origin)),
         hidden_size=int(_need(args, "hidden_size", origin)), ffn_hidden_size=int(_need(args, "ffn_hidden_size", origin)),
@@ -125,7 +142,7 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
         tied_embeddings=not bool(args.get("untie_embeddings_and_output_weights", False)), num_experts=experts,
         moe_top_k=int(args.get("moe_router_topk") or 2), rotary_base=float(args.get("rotary_base") or 10000),
         norm_eps=float(args.get("norm_epsilon") or 1e-5), seq_length=int(args.get("seq_length") or 0),
-        moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or 0) if experts else 0)
+        moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or 0) if experts else 0, **mla)
     return ModelFields(shape=shape, origin=origin,
                        max_position_embeddings=int(args.get("max_position_embeddings")
                                                    or _need(args, "seq_length", origin)))
@@ -146,6 +163,9 @@ def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str
                   num_key_value_heads=m.num_query_groups, max_position_embeddings=fields.max_position_embeddings,
                   tie_word_embeddings=m.tied_embeddings, architectures=[model_cls], dtype=dtype,
                   rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base})
+    if m.is_mla:
+        common.pop("num_key_value_heads")
+        return _deepseek_v3_config(m, common, fields.origin)
     if m.architecture == "gpt":
         extra = dict(norm_epsilon=m.norm_eps, hidden_act="gelu", use_bias=False, sliding_window=None,
                      bos_token_id=None, eos_token_id=None)
@@ -164,6 +184,26 @@ def config_json(fields: ModelFields, *, vocab_rows: int, dtype: str) -> dict[str
         if m.architecture in ("qwen2", "qwen3"):
             extra |= dict(max_window_layers=m.num_layers, layer_types=["full_attention"] * m.num_layers)
     config = getattr(transformers, config_cls)(**common, **extra)
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+def _deepseek_v3_config(m: ModelShape, common: dict[str, Any], origin: str) -> dict[str, Any]:
+    """DeepseekV3Config for a deepseek_v3 shape as Megatron-Core computes it: one routing group, unscaled
+    normalised top-k sigmoid weights, rotary pairs in Megatron-Core MLA's order (rope_interleave), no MTP layers."""
+    import transformers
+
+    width = m.expert_ffn_hidden_size
+    if m.shared_expert_ffn_hidden_size % width:
+        raise PlanError(f"{origin}: shared experts {m.shared_expert_ffn_hidden_size} wide are not a whole number of "
+                        f"experts {width} wide; DeepseekV3Config says n_shared_experts * moe_intermediate_size")
+    config = transformers.DeepseekV3Config(
+        **common, moe_intermediate_size=width, n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_top_k,
+        n_shared_experts=m.shared_expert_ffn_hidden_size // width, first_k_dense_replace=m.first_k_dense,
+        q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
+        qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, num_key_value_heads=m.num_attention_heads,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, rope_interleave=True,
+        rms_norm_eps=m.norm_eps, attention_bias=False, hidden_act="silu", bos_token_id=None, eos_token_id=None,
+        num_nextn_predict_layers=0)  # type: ignore[call-arg]  # a field the class takes as a keyword
     return json.loads(config.to_json_string(use_diff=True))
 
 

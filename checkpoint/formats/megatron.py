@@ -55,8 +55,8 @@ from checkpoint.state.training_state import (CLIENT_STATE_KEY, STATE_REPORT_FILE
                                              our_client_state, report_dict)
 from checkpoint.model_shape import ModelShape
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, TensorRule, arch_from_config, canonical_name,
-                                       canonical_shape, canonical_tensors, expert_range, flat_run_boxes, hf_order,
-                                       holds_model_tensor,
+                                       canonical_shape, canonical_tensors, expert_range, flat_run_boxes, held_layers,
+                                       hf_order, holds_model_tensor, layer_key, per_layer_keys, split_layer_key,
                                        holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
                                        stored_rules, tp_local_cols, tp_local_rows)
 
@@ -214,6 +214,7 @@ def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_r
     Megatron-Core keeps them in the dense buffer, after the router: per expert, fc1 then fc2."""
     inline = not experts and ep == 1 and arch.num_experts > 0
     rules = RULES[arch.architecture]
+    stored = set(stored_rules(arch))
     out: list[LocalParam] = []
 
     def add(rule: TensorRule, layer: int | None, expert: int | None) -> None:
@@ -226,14 +227,15 @@ def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_r
     if not experts and holds_model_tensor(first, pp, vpp, pp_rank, vp_stage):
         add(first, None, None)
     for layer in stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage):
-        for rule in rules.layer:
+        held = [r for r in rules.layer if r in stored and not r.buffer and layer in held_layers(r, arch)]
+        for rule in held:
             if rule.scope == "expert":
                 if experts:
                     for e in expert_range(arch.num_experts, ep, ep_rank):
                         add(rule, layer, e)
-                elif inline and rule is next(r for r in rules.layer if r.scope == "expert"):
+                elif inline and rule is next(r for r in held if r.scope == "expert"):
                     for e in range(arch.num_experts):
-                        for expert_rule in (r for r in rules.layer if r.scope == "expert"):
+                        for expert_rule in (r for r in held if r.scope == "expert"):
                             add(expert_rule, layer, e)
             elif not experts:
                 add(rule, layer, None)
@@ -336,6 +338,43 @@ def _storage(md: Any, root: Path) -> dict[tuple[str, tuple[int, ...]], Any]:
     return {(fqn, offsets or ()): info for (fqn, offsets), info in storage_by_index(md, root).items()}
 
 
+def stack_layer_keys(tensors: Mapping[str, Any], storage: Mapping[tuple[str, tuple[int, ...]], Any],
+                     num_layers: int, root: Path) -> tuple[dict[str, Any], dict[tuple[str, tuple[int, ...]], Any], bool]:
+    """Per-layer keys (Megatron-Core's non-homogeneous layers: `decoder.layers.{i}.<rest>`, their optimizer
+    state likewise) as chunks of their stacked key's (L, ...) tensor at layer i, so that the rules read both
+    forms alike; the storage of each chunk under its stacked key too. Returns the tensors, the storage and
+    whether any key was per-layer. Raises CheckpointFormatError for a layer past `num_layers` or layers of one
+    key that disagree in shape or dtype."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    stacked: dict[str, list[tuple[int, Any, str]]] = {}
+    for key, tmd in tensors.items():
+        base, layer = split_layer_key(key)
+        if layer is None:
+            out[key] = tmd
+        else:
+            stacked.setdefault(base, []).append((layer, tmd, key))
+    store = dict(storage)
+    for base, layers in stacked.items():
+        first = layers[0][1]
+        for layer, tmd, key in layers:
+            if layer >= num_layers:
+                raise CheckpointFormatError(f"{root}: {key}: layer {layer} but the model has {num_layers} layers")
+            if tuple(tmd.size) != tuple(first.size) or tmd.properties.dtype != first.properties.dtype:
+                raise CheckpointFormatError(f"{root}: {key} is {tuple(tmd.size)} {tmd.properties.dtype} but "
+                                            f"{layers[0][2]} is {tuple(first.size)} {first.properties.dtype}")
+        chunks = []
+        for layer, tmd, key in layers:
+            for c in tmd.chunks:
+                offsets, sizes = (layer, *c.offsets), (1, *c.sizes)
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+                store[(base, offsets)] = storage[(key, tuple(c.offsets))]
+        out[base] = TensorStorageMetadata(properties=first.properties, size=torch.Size((num_layers, *first.size)),
+                                          chunks=chunks)
+    return out, store, bool(stacked)
+
+
 def _chunk_ref(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...], storage_offset: int) -> ChunkRef:
     return ChunkRef(file=info.relative_path, key=(BYTE_RANGE, int(info.offset), int(info.length)), offsets=offsets,
                     lengths=lengths, storage_offset=storage_offset)
@@ -379,9 +418,10 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     arch, overridden = arch_of_common(common, root / "common.pt", model_config)
-    storage = _storage(md, root)
     rules = RULES[arch.architecture].by_key()
-    tensors = {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
+    tensors, storage, per_layer = stack_layer_keys(
+        {k: v for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)},
+        _storage(md, root), arch.num_layers, root)
     vocab_key = OUTPUT_KEY if OUTPUT_KEY in tensors else "embedding.word_embeddings.weight"  # tied: one tensor
     out_rows = tensors[vocab_key].size[0] if vocab_key in tensors else arch.padded_vocab_size(1)
     layout = _infer_layout(tensors, storage, common, root)
@@ -428,11 +468,11 @@ def index_from_metadata(md: Any, common: Mapping[str, Any], root: Path, *, expec
                 put(kind, dtype, pieces, storage[(key, tuple(c.offsets))])
     objects, groups = _objects(md, storage, root, common, trust_checkpoint)
     entries = []
-    for key in sorted(acc, key=lambda k: (k.name, str(k.kind))):
-        shape, dtype, chunks = acc[key]
-        entries.append(TensorEntry(key=key, shape=shape, dtype=dtype, chunks=tuple(chunks)))
+    for tensor_key in sorted(acc, key=lambda k: (k.name, str(k.kind))):
+        shape, dtype, chunks = acc[tensor_key]
+        entries.append(TensorEntry(key=tensor_key, shape=shape, dtype=dtype, chunks=tuple(chunks)))
     _dedupe_check(entries, root)
-    meta = {"arch": arch.tensor_fields(), **layout,
+    meta = {"arch": arch.tensor_fields(), **layout, "per_layer_keys": per_layer,
             "sharding": sharding, "common": _common_meta(common), "arch_overrides": overridden,
             "vocab_padded": _vocab_from_padded_args(common, overridden),
             "megatron_args": args_summary(common.get("args")), "model_spec": saved_model_spec(common),
@@ -698,8 +738,10 @@ def owner_boxes(rule: TensorRule, arch: ModelShape, layout: ParallelLayout, *, t
             return []
         leads: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
     else:
-        runs = [stage_layers(arch.num_layers, pp, vpp, pp_rank, v) for v in range(vpp)]
-        leads = [((r.start,), (len(r),)) for r in runs]
+        held = held_layers(rule, arch)
+        runs = [range(max(r.start, held.start), min(r.stop, held.stop))
+                for r in (stage_layers(arch.num_layers, pp, vpp, pp_rank, v) for v in range(vpp))]
+        leads = [((r.start,), (len(r),)) for r in runs if len(r)]
         if rule.scope == "expert":
             ex = expert_range(arch.num_experts, layout.ep, ep_rank)
             leads = [((*o, ex.start), (*n, len(ex))) for o, n in leads]
@@ -864,11 +906,32 @@ def extra_state_objects(arch: ModelShape) -> list[list[Any]]:
     (another format, the legacy files) lacks: (key, [None]) per layer and module, per (layer, expert) for the
     experts' linears."""
     layers, experts = arch.num_layers, arch.num_experts
+    if per_layer_keys(arch):
+        return _per_layer_extra_state_objects(arch)
     per_layer = _ATTENTION_EXTRA_STATE + (() if experts else _DENSE_MLP_EXTRA_STATE)
     out = [[f"{mod}._extra_state/shard_{i}_{layers}", [None]] for i in range(layers) for mod in per_layer]
     # an MoE layer's experts: one object per (layer, expert), sharded over both (Megatron-Core's SequentialMLP)
     return out + [[f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}", [None]]
                   for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
+
+
+def _per_layer_extra_state_objects(arch: ModelShape) -> list[list[Any]]:
+    """`extra_state_objects` of a model stored one key per layer: each linear's object under its layer's key
+    (`.../shard_0_1`), the routed experts' per expert (`.../shard_{e}_{E}`)."""
+    q = ("linear_q_down_proj", "linear_q_up_proj") if arch.q_lora_rank else ("linear_q_proj",)
+    att = ("linear_proj", *q, "linear_kv_down_proj", "linear_kv_up_proj")
+    out = []
+    for i in range(arch.num_layers):
+        mods = [f"decoder.layers.{i}.self_attention.{m}" for m in att]
+        if not arch.is_moe_layer(i):
+            mods += [f"decoder.layers.{i}.mlp.{fc}" for fc in ("linear_fc1", "linear_fc2")]
+        elif arch.shared_expert_ffn_hidden_size:
+            mods += [f"decoder.layers.{i}.mlp.shared_experts.{fc}" for fc in ("linear_fc1", "linear_fc2")]
+        out += [[f"{mod}._extra_state/shard_0_1", [None]] for mod in mods]
+        if arch.is_moe_layer(i):
+            out += [[f"decoder.layers.{i}.mlp.experts.experts.{fc}._extra_state/shard_{e}_{arch.num_experts}", [None]]
+                    for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+    return out
 
 
 def legacy_meta_for_dist(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]:
@@ -956,12 +1019,18 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     dtypes = param_dtypes(source, arch, dtype)
     work: list[tuple[Any, ...]] = []  # (nbytes, order, writer ranks, rule, kind, dcp key, offsets, lengths)
     dcp_tensors = []
+    per_layer = bool(m.get("per_layer_keys")) or per_layer_keys(arch)
     for rule in stored_rules(arch):  # tied embeddings: Megatron loads the last stage's copy from the embedding
         shape = stacked_shape(rule, arch, tp)
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
+        rule_kinds = [Kind.PARAM] if rule.buffer else kinds
         keys = [(kind, rule.key if kind is Kind.PARAM else _state_key(kind, rule, chained),
-                 dtypes[rule.key] if kind is Kind.PARAM else "float32") for kind in kinds]
-        dcp_tensors += [[dkey, list(shape), dt] for _, dkey, dt in keys]
+                 dtypes[rule.key] if kind is Kind.PARAM else "float32") for kind in rule_kinds]
+        if per_layer and lead:
+            dcp_tensors += [[layer_key(dkey, i), list(shape[1:]), dt] for _, dkey, dt in keys
+                            for i in held_layers(rule, arch)]
+        else:
+            dcp_tensors += [[dkey, list(shape), dt] for _, dkey, dt in keys]
         for pp_rank in range(pp):
             for tp_rank in range(tp):
                 for ep_rank in range(ep if rule.scope == "expert" else 1):
@@ -979,10 +1048,11 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     for nbytes, _, ranks, rule, kind, dkey, o, n in sorted(work, key=lambda w: (-w[0], w[1])):
         rank = min(ranks, key=lambda r: (load[r], r))
         load[rank] += nbytes
-        bkey = (dkey, *o)
+        per_layer_box = per_layer and rule.scope != "model"
+        bkey = (layer_key(dkey, o[0]), *o[1:]) if per_layer_box else (dkey, *o)
         file = f"{it}/__{rank}_0.distcp"
         dt = dtypes[rule.key] if kind is Kind.PARAM else "float32"
-        per_rank[rank].append(TargetBuffer(key=bkey, shape=n, dtype=dt))
+        per_rank[rank].append(TargetBuffer(key=bkey, shape=n[1:] if per_layer_box else n, dtype=dt))
         for pc in box_pieces(rule, arch, o, n):
             key = TensorKey(name=pc.name, kind=kind)
             entry_dtype[key] = dt
@@ -998,7 +1068,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
         state["common"].setdefault("opt_param_scheduler", m["opt_param_scheduler"])
     state["common"] = target_common(state["common"], arch, layout, chained=chained)
     groups = [] if pretrained else target_optimizer_groups(m["optimizer_groups"], chained=chained)
-    meta = {**m, "optimizer_groups": groups,
+    meta = {**m, "optimizer_groups": groups, "per_layer_keys": per_layer,
             "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
             "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
             "iteration_dir": it, **state}
@@ -1015,7 +1085,8 @@ def param_dtypes(source: CheckpointIndex, arch: ModelShape, default: str) -> dic
     out = {}
     for rule in stored_rules(arch):
         seg = segments(rule, arch)[0]
-        name = canonical_name(rule, seg, None if rule.scope == "model" else 0, 0 if rule.scope == "expert" else None)
+        layer = None if rule.scope == "model" else held_layers(rule, arch).start
+        name = canonical_name(rule, seg, layer, 0 if rule.scope == "expert" else None)
         out[rule.key] = params.get(name, default)
     if arch.tied_embeddings:
         out[OUTPUT_KEY] = out["embedding.word_embeddings.weight"]

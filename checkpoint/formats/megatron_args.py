@@ -19,8 +19,8 @@ import torch
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.hf_config import ModelFields
 from checkpoint.layout import ParallelLayout
-from checkpoint.model_shape import TENSOR_FIELDS, ModelShape
-from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, family_of_args
+from checkpoint.model_shape import MLA_TENSOR_FIELDS, TENSOR_FIELDS, ModelShape
+from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, family_of_args, first_k_dense
 
 # What `inspect` shows of a Megatron-LM run, in this order (fields the Namespace lacks are left out)
 SUMMARY_FIELDS = (
@@ -29,7 +29,9 @@ SUMMARY_FIELDS = (
     "qk_layernorm", "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size",
     "make_vocab_size_divisible_by", "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
     "use_rope_scaling", "apply_layernorm_1p", "layernorm_zero_centered_gamma", "squared_relu", "openai_gelu", "seq_length",
-    "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
+    "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size", "world_size",
     "use_distributed_optimizer", "overlap_grad_reduce", "ddp_bucket_size", "ckpt_format", "params_dtype",
@@ -55,30 +57,44 @@ def _unsupported(a: Mapping[str, Any]) -> list[str]:
     out = []
     swiglu, experts = bool(a.get("swiglu", False)), bool(a.get("num_experts"))
     qkv_bias, qk_norm = bool(a.get("add_qkv_bias", False)), bool(a.get("qk_layernorm", False))
+    mla = bool(a.get("multi_latent_attention", False))
     checks = (
         ("add_bias_linear", bool(a.get("add_bias_linear", True)), "linear-layer biases"),
-        ("add_qkv_bias", qkv_bias and (not swiglu or experts or qk_norm),
+        ("add_qkv_bias", qkv_bias and (not swiglu or experts or qk_norm or mla),
          "QKV biases outside a dense SwiGLU model without QK layernorm (the rules map them as Qwen2)"),
         ("qk_layernorm", qk_norm and not swiglu,
          "QK layernorm outside a SwiGLU model (the rules map it as Qwen3 and Qwen3-MoE)"),
+        ("multi_latent_attention", mla and not (swiglu and experts),
+         "multi-latent attention outside a SwiGLU MoE model (the rules map it as DeepSeek-V3)"),
+        ("qk_layernorm", mla and not qk_norm,
+         "multi-latent attention without its q/kv layernorms (the rules map DeepSeek-V3's, --qk-layernorm)"),
+        ("moe_router_enable_expert_bias", mla and not a.get("moe_router_enable_expert_bias"),
+         "multi-latent attention without the router's expert bias (the rules map DeepSeek-V3's aux-loss-free "
+         "router, --moe-router-enable-expert-bias)"),
         ("moe_router_pre_softmax", experts and bool(a.get("moe_router_pre_softmax", False)),
          "softmax over every expert before top-k (HF's norm_topk_prob=false); the rules map normalised top-k"),
-        ("multi_latent_attention", bool(a.get("multi_latent_attention", False)), "multi-latent attention"),
-        ("mtp_num_layers", bool(a.get("mtp_num_layers")), "multi-token-prediction layers"),
-        ("moe_shared_expert_intermediate_size", bool(a.get("moe_shared_expert_intermediate_size")), "shared experts"),
+        ("mtp_num_layers", bool(a.get("mtp_num_layers")),
+         "multi-token-prediction layers (mtp.layers.*: not carried; train without them or drop them first)"),
+        ("moe_shared_expert_intermediate_size", bool(a.get("moe_shared_expert_intermediate_size")) and not mla,
+         "shared experts outside a DeepSeek-V3 (multi-latent attention) model"),
         ("position_embedding_type", a.get("position_embedding_type", "learned_absolute") == "learned_absolute",
          "learned absolute position embeddings (embedding.position_embeddings.weight)"),
         ("context_parallel_size", int(a.get("context_parallel_size") or 1) > 1, "context parallelism"),
     )
     out += [f"{field}={a.get(field)!r} ({what})" for field, bad, what in checks if bad]
     kv = a.get("kv_channels")
-    if kv is not None and int(kv) * heads != hidden:
+    if kv is not None and int(kv) * heads != hidden and not mla:
         out.append(f"kv_channels={kv} with num_attention_heads={heads} and hidden_size={hidden} (a head size other "
                    f"than hidden_size / heads)")
     if a.get("num_experts"):
         freq = a.get("moe_layer_freq", 1)
-        if freq not in (1, None):
-            out.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
+        try:
+            dense = first_k_dense(freq, int(a["num_layers"]))
+        except ValueError:
+            dense = None
+        if dense is None or (dense and not mla):
+            out.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers; the rules map DeepSeek-V3's "
+                       f"first-k dense layers, [0]*k + [1]*(num_layers-k), with multi-latent attention)")
         etp = a.get("expert_tensor_parallel_size")
         if etp is not None and int(etp) != int(a["tensor_model_parallel_size"]):
             out.append(f"expert_tensor_parallel_size={etp} != tensor_model_parallel_size="
@@ -115,13 +131,21 @@ def arch_from_args(args: Any, *, where: str) -> ModelShape:
     if family == "gpt" and experts:
         raise CheckpointFormatError(f"{where}: num_experts={experts} with GELU + LayerNorm: no rules for a GPT MoE")
     groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
+    mla: dict[str, Any] = {}
+    if family == "deepseek_v3":
+        groups = heads
+        mla = {"q_lora_rank": int(a.get("q_lora_rank") or 0), "kv_lora_rank": int(a.get("kv_lora_rank") or 0),
+               "qk_head_dim": int(a.get("qk_head_dim") or 0), "qk_pos_emb_head_dim": int(a.get("qk_pos_emb_head_dim") or 0),
+               "v_head_dim": int(a.get("v_head_dim") or 0),
+               "first_k_dense": first_k_dense(a.get("moe_layer_freq", 1), int(a["num_layers"])) or 0,
+               "shared_expert_ffn_hidden_size": int(a.get("moe_shared_expert_intermediate_size") or 0)}
     try:
         return ModelShape(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
                         ffn_hidden_size=int(a["ffn_hidden_size"]), num_attention_heads=heads, num_query_groups=groups,
                         vocab_size=int(a.get("vocab_size") or a["padded_vocab_size"]), num_experts=experts,
                         moe_ffn_hidden_size=int(a.get("moe_ffn_hidden_size") or 0) if experts else 0,
                         make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by") or 128),
-                        tied_embeddings=not bool(a.get("untie_embeddings_and_output_weights", False)))
+                        tied_embeddings=not bool(a.get("untie_embeddings_and_output_weights", False)), **mla)
     except (TypeError, ValueError) as err:
         raise CheckpointFormatError(f"{where}: args: {err}") from None
 
@@ -207,7 +231,8 @@ def target_args(args: Any, arch: ModelShape, layout: ParallelLayout, *, ckpt_for
 
 def overrides(args_arch: ModelShape, given: ModelShape) -> list[str]:
     """`field: args value -> given value` for each field a --model-config changes (empty when they agree)."""
-    return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in TENSOR_FIELDS
+    fields = TENSOR_FIELDS + (MLA_TENSOR_FIELDS if args_arch.is_mla or given.is_mla else ())
+    return [f"{f}: {getattr(args_arch, f)!r} -> {getattr(given, f)!r}" for f in fields
             if getattr(args_arch, f) != getattr(given, f)]
 
 
@@ -235,6 +260,13 @@ def synthesized_args(arch: ModelShape, fields: ModelFields | None, *, iteration:
         "moe_ffn_hidden_size": arch.expert_ffn_hidden_size if arch.num_experts else None,
         "iteration": iteration, "no_save_rng": True,
         "no_save_optim": True if weights_only else None, "consumed_valid_samples": 0, "skipped_train_samples": 0}
+    if arch.is_mla:  # Megatron-LM's DeepSeek-V3 switches (--multi-latent-attention --qk-layernorm ...)
+        a |= {"multi_latent_attention": True, "qk_layernorm": True, "kv_channels": None,
+              "q_lora_rank": arch.q_lora_rank or None, "kv_lora_rank": arch.kv_lora_rank, "qk_head_dim": arch.qk_head_dim,
+              "qk_pos_emb_head_dim": arch.qk_pos_emb_head_dim, "v_head_dim": arch.v_head_dim,
+              "moe_layer_freq": arch.moe_layer_freq,
+              "moe_shared_expert_intermediate_size": arch.shared_expert_ffn_hidden_size or None,
+              "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid", "rope_type": "rope"}
     if fields is not None:
         a |= {"norm_epsilon": fields.shape.norm_eps, "rotary_base": fields.shape.rotary_base,
               "max_position_embeddings": fields.max_position_embeddings,

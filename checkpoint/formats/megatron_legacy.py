@@ -167,6 +167,9 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
             raise LayoutMismatchError(f"{root}: declared {name}={want} but the checkpoint was saved at "
                                       f"{name}={layout[name]}")
     arch, overridden = arch_of_common(head, first, model_config)
+    if arch.is_mla:
+        raise CheckpointFormatError(f"{first}: a {arch.architecture} model (multi-latent attention) in the legacy "
+                                    f"format (--ckpt-format torch) is not read yet; its torch_dist checkpoints are")
     arch = _untied(arch, str(first))
     tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
     acc: dict[TensorKey, tuple[str, list[ChunkRef]]] = {}

@@ -3,7 +3,8 @@ without files.
 
 `synthesize_metadata(arch, layout)` returns the DCP `Metadata` and `common.pt` state that Megatron-Core
 would write for a GPTModel trained at `layout` with the DistributedOptimizer (dp_reshardable), as
-`checkpoint.formats.megatron` reads them: model keys stacked over layers, one chunk per layer (and
+`checkpoint.formats.megatron` reads them: model keys stacked over layers (one key per layer where the layers
+differ, as DeepSeek-V3's), one chunk per layer (and
 expert; fused GLU as a gate and an up run) per TP/PP/EP shard, spread over the shard's data-parallel
 ranks as Megatron's fully parallel save does; per (TP, PP[, EP]) domain and model chunk one flat bucket
 per optimizer state (params in reverse order, 64-aligned, padded to lcm(dp, 128)), each DP rank storing
@@ -28,7 +29,7 @@ from checkpoint.index import CheckpointIndex, dtype_size
 from checkpoint.layout import ParallelLayout
 from checkpoint.plan import ConversionPlan, rank_summaries
 from checkpoint.model_shape import ModelShape
-from checkpoint.rules.megatron import stacked_shape, stored_rules
+from checkpoint.rules.megatron import layer_key, per_layer_keys, stacked_shape, stored_rules
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -59,6 +60,7 @@ def synthesize_metadata(arch: ModelShape, layout: ParallelLayout, *, model_dtype
         placed.append(PlacedItem(fqn=fqn, file=path, offset=start, length=length, box=(offsets, sizes)))
 
     moe = arch.num_experts > 0
+    per_layer = per_layer_keys(arch)
     for rule in stored_rules(arch):
         shape = stacked_shape(rule, arch, layout.tp)
         lead = {"model": 0, "layer": 1, "expert": 2}[rule.scope]
@@ -69,7 +71,10 @@ def synthesize_metadata(arch: ModelShape, layout: ParallelLayout, *, model_dtype
                                           expert=rule.scope == "expert")
                     boxes = owner_boxes(rule, arch, layout, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
                     for i, (o, n) in enumerate(layer_boxes(boxes, lead)):
-                        add(rule.key, shape, model_dtype, o, n, ranks[i % len(ranks)])
+                        if per_layer and lead:  # Megatron-Core's non-homogeneous layers: one key per layer
+                            add(layer_key(rule.key, o[0]), shape[1:], model_dtype, o[1:], n[1:], ranks[i % len(ranks)])
+                        else:
+                            add(rule.key, shape, model_dtype, o, n, ranks[i % len(ranks)])
     gbuf_dtype = f"(torch.{model_dtype}, torch.float32)"  # (param dtype, grad dtype) of the grad buffer
     chained = moe and layout.ep > 1  # experts get their own optimizer only under expert parallelism
     chains = (0, 1) if chained else (0,)

@@ -1,8 +1,12 @@
-"""Megatron-Core GPTModel rules (gpt, llama, mixtral, qwen2, qwen3) as data, and the pure box arithmetic they drive.
+"""Megatron-Core GPTModel rules (gpt, llama, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3) as data, and the pure box
+arithmetic they drive.
 
 A Megatron-Core dist checkpoint stores each parameter under a *key* stacked over layers (and
-experts): e.g. `decoder.layers.self_attention.linear_qkv.weight` has global shape (L, R, C). A
-rule says, per key: its module parameter name, its scope (model / layer / expert), the tensor dim
+experts): e.g. `decoder.layers.self_attention.linear_qkv.weight` has global shape (L, R, C). (A model whose
+layers differ, as DeepSeek-V3's first dense then MoE layers, stores one key per layer instead,
+`decoder.layers.{i}.self_attention...`; the rules still speak of the stacked key, of which a layer's key is the slice
+at layer i, and a rule's `layers` says which layers hold it.) A rule says, per key: its module parameter name, its
+scope (model / layer / expert), the tensor dim
 split over TP (or None: replicated), how its fused row dim splits into canonical tensors (QKV grouped
 per query group, GLU gate|up) and whether its rows are the (TP-padded) vocab. Canonical names are
 the HF-style names of `migrate/workload/torch_model.py` (`layers.{i}.self_attn.q_proj.weight`, ...).
@@ -12,22 +16,25 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.model_shape import (ARCHITECTURES, MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, QKV_BIAS_ARCHITECTURES,
-                                    Architecture, ModelShape)
+from checkpoint.model_shape import (ARCHITECTURES, MLA_ARCHITECTURES, MLA_TENSOR_FIELDS, MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES,
+                                    QKV_BIAS_ARCHITECTURES, Architecture, ModelShape)
 
 Scope = Literal["model", "layer", "expert"]
 Fuse = Literal["none", "qkv", "glu"]
+Layers = Literal["all", "dense", "moe"]
 
 
 # HF model_type -> the rules' architecture (the HF classes whose modules these rules map: rotary; Qwen2's QKV
 # biases, Qwen3's per-head q/k RMSNorm)
 HF_MODEL_TYPES: dict[str, Architecture] = {"llama": "llama", "mistral": "llama", "mixtral": "mixtral", "starcoder2": "gpt",
-                                            "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+                                            "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                                            "deepseek_v3": "deepseek_v3"}
 
 
 def _check_hf_attention(c: Mapping[str, Any], kind: str, where: str) -> None:
@@ -56,16 +63,62 @@ def _check_qwen3_moe(c: Mapping[str, Any], where: str) -> None:
                                     f"Megatron-Core's router normalises the top-k weights (norm_topk_prob=true)")
 
 
+def _deepseek_v3_from_hf(c: Mapping[str, Any], where: str) -> ModelShape:
+    """The shape of an HF DeepSeek-V3 `config.json`; refuses, naming the field, what Megatron-Core's model of it does
+    not compute the same way: grouped routing (n_group/topk_group other than 1), a routed scaling factor other than
+    1, un-normalised top-k weights, attention biases, and multi-token-prediction layers (not carried)."""
+    odd = [f"{f}={c.get(f)!r}" for f, ok in (("n_group", lambda v: int(v or 1) == 1),
+                                             ("topk_group", lambda v: int(v or 1) == 1),
+                                             ("routed_scaling_factor", lambda v: float(v or 1.0) == 1.0),
+                                             ("norm_topk_prob", lambda v: v is None or bool(v)),
+                                             ("attention_bias", lambda v: not v),
+                                             ("num_nextn_predict_layers", lambda v: not v))
+           if not ok(c.get(f))]
+    if odd:
+        raise CheckpointFormatError(f"{where}: deepseek_v3 with {', '.join(odd)}: the rules map DeepSeek-V3 models with "
+                                    f"one routing group, unscaled normalised top-k weights, no attention biases and no "
+                                    f"MTP layers")
+    moe_width = int(c["moe_intermediate_size"])
+    heads = int(c["num_attention_heads"])
+    return ModelShape(architecture="deepseek_v3", num_layers=int(c["num_hidden_layers"]),
+                      hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["intermediate_size"]),
+                      num_attention_heads=heads, num_query_groups=heads, vocab_size=int(c["vocab_size"]),
+                      num_experts=int(c["n_routed_experts"]), moe_top_k=int(c.get("num_experts_per_tok") or 8),
+                      moe_ffn_hidden_size=moe_width, q_lora_rank=int(c.get("q_lora_rank") or 0),
+                      kv_lora_rank=int(c["kv_lora_rank"]), qk_head_dim=int(c["qk_nope_head_dim"]),
+                      qk_pos_emb_head_dim=int(c["qk_rope_head_dim"]), v_head_dim=int(c["v_head_dim"]),
+                      first_k_dense=int(c.get("first_k_dense_replace") or 0),
+                      shared_expert_ffn_hidden_size=moe_width * int(c.get("n_shared_experts") or 0),
+                      tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
 def family_of_args(args: Mapping[str, Any]) -> Architecture:
     """The rules' architecture of a Megatron-LM run from its args: GELU + LayerNorm is gpt; SwiGLU + RMSNorm is
-    llama, with routed experts mixtral, with QKV biases (add_qkv_bias) qwen2, with QK layernorm qwen3."""
+    llama, with routed experts mixtral, with QKV biases (add_qkv_bias) qwen2, with QK layernorm qwen3; with
+    multi-latent attention deepseek_v3."""
     if not args.get("swiglu"):
         return "gpt"
+    if args.get("multi_latent_attention"):
+        return "deepseek_v3"
     if int(args.get("num_experts") or 0):
         return "qwen3_moe" if args.get("qk_layernorm") else "mixtral"
     if args.get("qk_layernorm"):
         return "qwen3"
     return "qwen2" if args.get("add_qkv_bias") else "llama"
+
+
+def first_k_dense(moe_layer_freq: Any, num_layers: int) -> int | None:
+    """k where Megatron-LM's --moe-layer-freq makes the first k layers dense and the rest MoE (1 or None: every
+    layer MoE, k = 0); None for any other pattern. Raises ValueError for a list of the wrong length."""
+    if moe_layer_freq in (1, None):
+        return 0
+    if isinstance(moe_layer_freq, int):
+        return None
+    pattern = [int(x) for x in moe_layer_freq]
+    if len(pattern) != num_layers:
+        raise ValueError(f"moe_layer_freq has {len(pattern)} entries for {num_layers} layers")
+    k = pattern.index(1) if 1 in pattern else num_layers
+    return k if pattern == [0] * k + [1] * (num_layers - k) else None
 
 
 def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ModelShape:
@@ -80,6 +133,8 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
             if kind is None:
                 raise CheckpointFormatError(f"{where}: HF model_type {c['model_type']!r} has no Megatron rules; "
                                             f"known: {sorted(HF_MODEL_TYPES)}")
+            if kind == "deepseek_v3":
+                return _deepseek_v3_from_hf(c, where)
             _check_hf_attention(c, kind, where)
             if kind == "gpt" and c.get("use_bias", True):
                 raise CheckpointFormatError(f"{where}: starcoder2 with use_bias={c.get('use_bias', True)} (linear "
@@ -101,6 +156,7 @@ def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") 
         heads = int(c["num_attention_heads"])
         groups = c.get("num_query_groups", c.get("query_groups")) or heads
         recipe = {k: c[k] for k in ("seq_length", "moe_top_k", "rotary_base", "norm_eps") if c.get(k) is not None}
+        recipe |= {k: int(c[k]) for k in MLA_TENSOR_FIELDS if c.get(k)}
         return ModelShape(architecture=str(c["architecture"]), num_layers=int(c["num_layers"]),  # type: ignore[arg-type]
                           hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["ffn_hidden_size"]),
                           num_attention_heads=heads, num_query_groups=int(groups), vocab_size=int(c["vocab_size"]),
@@ -126,6 +182,8 @@ class TensorRule:
     fuse: Fuse = "none"
     vocab: bool = False
     stage: Literal["first", "last", "all"] = "all"  # model scope: which pipeline stage holds it
+    layers: Layers = "all"  # layer/expert scope: every layer, the dense ones or the MoE ones (ModelShape.is_moe_layer)
+    buffer: bool = False  # a persistent buffer, not a parameter: no grad buffer, no optimizer state (expert_bias)
 
 
 _LN = "decoder.layers.self_attention.linear_qkv.layer_norm_"
@@ -176,6 +234,59 @@ def _layer_rules(bias: bool, moe: bool, qkv_bias: bool = False, qk_norm: bool = 
     return tuple(rules)
 
 
+def _mla_layer_rules() -> tuple[TensorRule, ...]:
+    """A DeepSeek-V3 layer's rules in Megatron-Core's named_parameters order (the local spec's MLASelfAttention:
+    every projection column-parallel, the output row-parallel; its norms keep their module names): attention, then
+    a dense SwiGLU FFN (the first-k layers) or the router (with its expert bias), the routed experts and the shared
+    experts. A model without q_lora_rank has `linear_q_proj` in place of the q down/up projections and norm."""
+    att = "decoder.layers.self_attention."
+    canon = "layers.{layer}.self_attn."
+
+    def linear(name: str, hf: str, tp_dim: int = 0) -> TensorRule:
+        return TensorRule(key=f"{att}{name}.weight", param=f"self_attention.{name}.weight", scope="layer",
+                          canonical=f"{canon}{hf}.weight", tp_dim=tp_dim)
+
+    def norm(key: str, param: str, canonical: str) -> TensorRule:
+        return TensorRule(key=key, param=param, scope="layer", canonical=canonical)
+
+    mlp = "decoder.layers.mlp."
+    return (
+        norm("decoder.layers.input_layernorm.weight", "input_layernorm.weight", "layers.{layer}.input_layernorm.weight"),
+        linear("linear_proj", "o_proj", tp_dim=1),
+        linear("linear_q_proj", "q_proj"),
+        linear("linear_q_down_proj", "q_a_proj"),
+        linear("linear_q_up_proj", "q_b_proj"),
+        linear("linear_kv_down_proj", "kv_a_proj_with_mqa"),
+        linear("linear_kv_up_proj", "kv_b_proj"),
+        norm(f"{att}q_layernorm.weight", "self_attention.q_layernorm.weight", f"{canon}q_a_layernorm.weight"),
+        norm(f"{att}kv_layernorm.weight", "self_attention.kv_layernorm.weight", f"{canon}kv_a_layernorm.weight"),
+        norm("decoder.layers.pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight",
+             "layers.{layer}.post_attention_layernorm.weight"),
+        TensorRule(key=f"{mlp}linear_fc1.weight", param="mlp.linear_fc1.weight", scope="layer", layers="dense",
+                   canonical="layers.{layer}.mlp.{part}_proj.weight", tp_dim=0, fuse="glu"),
+        TensorRule(key=f"{mlp}linear_fc2.weight", param="mlp.linear_fc2.weight", scope="layer", layers="dense",
+                   canonical="layers.{layer}.mlp.down_proj.weight", tp_dim=1),
+        TensorRule(key=f"{mlp}router.weight", param="mlp.router.weight", scope="layer", layers="moe",
+                   canonical="layers.{layer}.mlp.gate.weight"),
+        TensorRule(key=EXPERT_BIAS_KEY, param="mlp.router.expert_bias", scope="layer", layers="moe", buffer=True,
+                   canonical="layers.{layer}.mlp.gate.e_score_correction_bias"),
+        TensorRule(key=f"{mlp}experts.experts.linear_fc1.weight", param="linear_fc1.weight", scope="expert",
+                   layers="moe", canonical="layers.{layer}.mlp.experts.{expert}.{part}_proj.weight", tp_dim=0,
+                   fuse="glu"),
+        TensorRule(key=f"{mlp}experts.experts.linear_fc2.weight", param="linear_fc2.weight", scope="expert",
+                   layers="moe", canonical="layers.{layer}.mlp.experts.{expert}.down_proj.weight", tp_dim=1),
+        TensorRule(key=f"{mlp}shared_experts.linear_fc1.weight", param="mlp.shared_experts.linear_fc1.weight",
+                   scope="layer", layers="moe", canonical="layers.{layer}.mlp.shared_experts.{part}_proj.weight",
+                   tp_dim=0, fuse="glu"),
+        TensorRule(key=f"{mlp}shared_experts.linear_fc2.weight", param="mlp.shared_experts.linear_fc2.weight",
+                   scope="layer", layers="moe", canonical="layers.{layer}.mlp.shared_experts.down_proj.weight",
+                   tp_dim=1),
+    )
+
+
+EXPERT_BIAS_KEY = "decoder.layers.mlp.router.expert_bias"
+
+
 def _model_rules(bias: bool) -> tuple[TensorRule, ...]:
     norms = ("weight", "bias") if bias else ("weight",)
     return (
@@ -204,11 +315,12 @@ class ArchRules:
 
 
 # gpt: LayerNorm (weight + bias), GELU FFN; llama: RMSNorm, SwiGLU; mixtral: llama attention + routed experts;
-# qwen2: llama with QKV biases; qwen3: llama with per-head q/k RMSNorm (QK layernorm).
+# qwen2: llama with QKV biases; qwen3: llama with per-head q/k RMSNorm (QK layernorm); deepseek_v3: MLA, first-k
+# dense layers, routed + shared experts, the router's expert bias.
 RULES: dict[str, ArchRules] = {
-    name: ArchRules(name=name, layer=_layer_rules(bias=name == "gpt", moe=name in MOE_ARCHITECTURES,
-                                                  qkv_bias=name in QKV_BIAS_ARCHITECTURES,
-                                                  qk_norm=name in QK_NORM_ARCHITECTURES),
+    name: ArchRules(name=name, layer=_mla_layer_rules() if name in MLA_ARCHITECTURES else
+                    _layer_rules(bias=name == "gpt", moe=name in MOE_ARCHITECTURES,
+                                 qkv_bias=name in QKV_BIAS_ARCHITECTURES, qk_norm=name in QK_NORM_ARCHITECTURES),
                     model=_model_rules(bias=name == "gpt"))
     for name in ARCHITECTURES
 }
@@ -216,8 +328,19 @@ SWIGLU_ARCHITECTURES = tuple(name for name in ARCHITECTURES if name != "gpt")
 
 
 def ffn_width(arch: ModelShape, rule: TensorRule) -> int:
-    """The inner FFN width of `rule`'s tensor: an expert's or the dense FFN's."""
-    return arch.expert_ffn_hidden_size if rule.scope == "expert" else arch.ffn_hidden_size
+    """The inner FFN width of `rule`'s tensor: an expert's, the shared experts' or the dense FFN's."""
+    if rule.scope == "expert":
+        return arch.expert_ffn_hidden_size
+    return arch.shared_expert_ffn_hidden_size if ".shared_experts." in rule.key else arch.ffn_hidden_size
+
+
+def held_layers(rule: TensorRule, arch: ModelShape) -> range:
+    """The global layers that hold `rule`'s key (all of them; a deepseek_v3's dense or MoE ones)."""
+    if rule.layers == "dense":
+        return range(0, arch.first_k_dense)
+    if rule.layers == "moe":
+        return range(arch.first_k_dense, arch.num_layers)
+    return range(arch.num_layers)
 
 
 OUTPUT_KEY = "output_layer.weight"
@@ -228,7 +351,26 @@ def stored_rules(arch: ModelShape) -> tuple[TensorRule, ...]:
     embeddings are one tensor, the embedding: Megatron-Core gives the output layer no weight where it
     holds the embedding (PP 1) and stores the last stage's copy (PP > 1) under the embedding's key."""
     rules = RULES[arch.architecture].all()
-    return tuple(r for r in rules if not (arch.tied_embeddings and r.key == OUTPUT_KEY))
+    return tuple(r for r in rules if not (arch.tied_embeddings and r.key == OUTPUT_KEY) and _stored(r, arch))
+
+
+_Q_LORA_KEYS = frozenset({"decoder.layers.self_attention.linear_q_down_proj.weight",
+                          "decoder.layers.self_attention.linear_q_up_proj.weight",
+                          "decoder.layers.self_attention.q_layernorm.weight"})
+
+
+def _stored(rule: TensorRule, arch: ModelShape) -> bool:
+    """Whether a model of `arch` has `rule`'s key at all: MLA's q down/up projections and norm with a q_lora_rank,
+    its full q projection without; dense-FFN keys with first-k dense layers; shared-expert keys with shared
+    experts."""
+    if arch.is_mla:
+        if rule.key == "decoder.layers.self_attention.linear_q_proj.weight":
+            return not arch.q_lora_rank
+        if rule.key in _Q_LORA_KEYS:
+            return bool(arch.q_lora_rank)
+        if ".shared_experts." in rule.key:
+            return bool(arch.shared_expert_ffn_hidden_size)
+    return len(held_layers(rule, arch)) > 0 if rule.scope != "model" else True
 
 
 def holds_output_copy(arch: ModelShape, pp: int, vpp: int) -> bool:
@@ -238,6 +380,26 @@ def holds_output_copy(arch: ModelShape, pp: int, vpp: int) -> bool:
     return not arch.tied_embeddings or pp * vpp > 1
 
 
+_LAYER_KEY_RE = re.compile(r"^(.*?\bdecoder\.layers\.)(\d+)\.(.+)$")
+
+
+def split_layer_key(key: str) -> tuple[str, int | None]:
+    """A per-layer key (`...decoder.layers.3.mlp...`, also inside an optimizer key) as its stacked key and layer;
+    any other key as itself and None."""
+    m = _LAYER_KEY_RE.match(key)
+    return (f"{m.group(1)}{m.group(3)}", int(m.group(2))) if m else (key, None)
+
+
+def layer_key(key: str, layer: int) -> str:
+    """The per-layer key of stacked key `key` at global layer `layer` (Megatron-Core's non-homogeneous layers)."""
+    return key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+
+
+def per_layer_keys(arch: ModelShape) -> bool:
+    """Whether Megatron-Core stores `arch`'s layers one key each (its layers differ: a --moe-layer-freq list)."""
+    return arch.is_mla
+
+
 # ---------------------------------------------------------------- shapes and segments (pure)
 
 @functools.cache  # pure in frozen values; planning a 70B model calls it ~10^5 times
@@ -245,6 +407,19 @@ def matrix_shape(rule: TensorRule, arch: ModelShape, tp: int = 1) -> tuple[int, 
     """Global shape of one layer's (expert's) tensor, vocab padded for `tp`."""
     h, f = arch.hidden_size, ffn_width(arch, rule)
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
+    if arch.is_mla:
+        heads, qk = arch.num_attention_heads, arch.qk_head_dim + arch.qk_pos_emb_head_dim
+        att = "decoder.layers.self_attention."
+        mla = {f"{att}linear_proj.weight": (h, heads * arch.v_head_dim),
+               f"{att}linear_q_proj.weight": (heads * qk, h),
+               f"{att}linear_q_down_proj.weight": (arch.q_lora_rank, h),
+               f"{att}linear_q_up_proj.weight": (heads * qk, arch.q_lora_rank),
+               f"{att}linear_kv_down_proj.weight": (arch.kv_lora_rank + arch.qk_pos_emb_head_dim, h),
+               f"{att}linear_kv_up_proj.weight": (heads * (arch.qk_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+               f"{att}q_layernorm.weight": (arch.q_lora_rank,), f"{att}kv_layernorm.weight": (arch.kv_lora_rank,),
+               EXPERT_BIAS_KEY: (arch.num_experts,)}
+        if rule.key in mla:
+            return mla[rule.key]
     table = {
         "embedding.word_embeddings.weight": (arch.padded_vocab_size(tp), h),
         "output_layer.weight": (arch.padded_vocab_size(tp), h),
@@ -265,7 +440,7 @@ def matrix_shape(rule: TensorRule, arch: ModelShape, tp: int = 1) -> tuple[int, 
 
 
 def stacked_shape(rule: TensorRule, arch: ModelShape, tp: int = 1) -> tuple[int, ...]:
-    """Global shape under the checkpoint key: (L, [E,] *matrix) for layer/expert scope."""
+    """Global shape under the checkpoint key: (L, [E,] *matrix) for layer/expert scope (a per-layer key: without L)."""
     lead = {"model": (), "layer": (arch.num_layers,), "expert": (arch.num_layers, arch.num_experts)}[rule.scope]
     return (*lead, *matrix_shape(rule, arch, tp))
 
@@ -319,7 +494,7 @@ def canonical_tensors(arch: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     """Every canonical tensor name and shape of the model, in Megatron's rule order."""
     out = []
     for rule in stored_rules(arch):
-        layers = range(arch.num_layers) if rule.scope != "model" else [None]
+        layers = held_layers(rule, arch) if rule.scope != "model" else [None]
         experts = range(arch.num_experts) if rule.scope == "expert" else [None]
         seen = set()
         for layer in layers:
@@ -337,6 +512,8 @@ def hf_order(arch: ModelShape) -> list[str]:
     then per layer input norm, q, k, v, o, post-attention norm, MLP (router, then per expert gate, up,
     down), then final norm and LM head. Frameworks that flatten parameters (DeepSpeed ZeRO) use this order."""
     known = dict(canonical_tensors(arch))
+    if arch.is_mla:
+        return _mla_hf_order(arch, known)
     norms = ("weight", "bias") if arch.architecture == "gpt" else ("weight",)
     mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if arch.num_experts:
@@ -350,6 +527,30 @@ def hf_order(arch: ModelShape) -> list[str]:
         out += [f"layers.{i}.post_attention_layernorm.{n}" for n in norms]
         out += [f"layers.{i}.{m}" for m in mlp]
     out += [f"norm.{n}" for n in norms] + ["lm_head.weight"]
+    out = [n for n in out if n in known]
+    if sorted(out) != sorted(known):
+        raise CheckpointFormatError(f"{arch.architecture}: HF order misses {sorted(set(known) - set(out))}")
+    return out
+
+
+def _mla_hf_order(arch: ModelShape, known: Mapping[str, Any]) -> list[str]:
+    """transformers' DeepseekV3 module order: per layer input norm, attention (q a/b or q, kv a/b, o), the
+    post-attention norm, then a dense MLP or the MoE (its experts, gate, shared experts)."""
+    glu = ("gate", "up", "down")
+    out = ["embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        a = f"layers.{i}.self_attn."
+        out += [f"layers.{i}.input_layernorm.weight", f"{a}q_proj.weight", f"{a}q_a_proj.weight",
+                f"{a}q_a_layernorm.weight", f"{a}q_b_proj.weight", f"{a}kv_a_proj_with_mqa.weight",
+                f"{a}kv_a_layernorm.weight", f"{a}kv_b_proj.weight", f"{a}o_proj.weight",
+                f"layers.{i}.post_attention_layernorm.weight"]
+        if arch.is_moe_layer(i):
+            out += [f"layers.{i}.mlp.experts.{e}.{p}_proj.weight" for e in range(arch.num_experts) for p in glu]
+            out += [f"layers.{i}.mlp.gate.weight", f"layers.{i}.mlp.gate.e_score_correction_bias"]
+            out += [f"layers.{i}.mlp.shared_experts.{p}_proj.weight" for p in glu]
+        else:
+            out += [f"layers.{i}.mlp.{p}_proj.weight" for p in glu]
+    out += ["norm.weight", "lm_head.weight"]
     out = [n for n in out if n in known]
     if sorted(out) != sorted(known):
         raise CheckpointFormatError(f"{arch.architecture}: HF order misses {sorted(set(known) - set(out))}")

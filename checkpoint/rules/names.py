@@ -3,7 +3,7 @@
 Conventions (`Naming`): `canonical`, the built-in decoder's names (`layers.0.self_attn.q_proj.weight`) that
 the Megatron rules and the HF writer map from; `hf`, transformers' module names (`model.layers.0...`,
 `lm_head.weight`; Mixtral's `block_sparse_moe.experts.N.w1`, Starcoder2's `mlp.c_fc`, Qwen2's q/k/v biases,
-Qwen3's `self_attn.q_norm`), as `save_pretrained`,
+Qwen3's `self_attn.q_norm`, DeepSeek-V3's `self_attn.kv_a_proj_with_mqa`), as `save_pretrained`,
 an HF-Trainer DeepSpeed run or an FSDP2-wrapped transformers model store them; `torchtitan`, torchtitan's
 Llama (`tok_embeddings`, `attention.wq`, `feed_forward.w1`, `output`), whose wq/wk rows are in Meta's
 interleaved RoPE order: torchtitan's `Llama3StateDictAdapter` permutes them to and from transformers' order
@@ -112,6 +112,21 @@ TABLES: dict[str, tuple[NameRow, ...]] = {
         NameRow("layers.{L}.mlp.gate.weight", "model.layers.{L}.mlp.gate.weight"),
         *(NameRow(f"layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight", f"model.layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight")
           for w in ("gate", "up", "down")),
+        *_ends("weight"))),
+    # DeepseekV3ForCausalLM (per-expert gate/up/down as save_pretrained writes them): MLA (q a/b projections and
+    # norm, or one q projection; kv a projection with the shared rotary key, its norm, kv b projection), dense MLPs
+    # in the first-k layers, then the router with its expert bias, routed and shared experts
+    "deepseek_v3": _without_torchtitan((
+        *(r for r in _attention("weight") if "norm" in r.canonical or "o_proj" in r.canonical or "q_proj" in r.canonical),
+        *(NameRow(f"layers.{{L}}.self_attn.{n}.weight", f"model.layers.{{L}}.self_attn.{n}.weight")
+          for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")),
+        *_llama_mlp(),
+        NameRow("layers.{L}.mlp.gate.weight", "model.layers.{L}.mlp.gate.weight"),
+        NameRow("layers.{L}.mlp.gate.e_score_correction_bias", "model.layers.{L}.mlp.gate.e_score_correction_bias"),
+        *(NameRow(f"layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight", f"model.layers.{{L}}.mlp.experts.{{E}}.{w}_proj.weight")
+          for w in ("gate", "up", "down")),
+        *(NameRow(f"layers.{{L}}.mlp.shared_experts.{w}_proj.weight",
+                  f"model.layers.{{L}}.mlp.shared_experts.{w}_proj.weight") for w in ("gate", "up", "down")),
         *_ends("weight"))),
     # Starcoder2ForCausalLM with use_bias=False: LayerNorm (weight and bias), non-gated MLP c_fc/c_proj
     "gpt": _without_torchtitan((

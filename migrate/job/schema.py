@@ -183,8 +183,9 @@ class ModelSection(Section):
 
     architecture: Architecture
     """gpt (LayerNorm, GeLU), llama (RMSNorm, SwiGLU, RoPE, grouped-query attention), mixtral (llama with MoE
-    feed-forward layers), qwen2 (llama with q/k/v biases), qwen3 (llama with per-head q/k RMSNorm) or qwen3_moe
-    (qwen3 with MoE feed-forward layers)"""
+    feed-forward layers), qwen2 (llama with q/k/v biases), qwen3 (llama with per-head q/k RMSNorm), qwen3_moe
+    (qwen3 with MoE feed-forward layers) or deepseek_v3 (multi-latent attention, first-k dense layers, routed and
+    shared experts, a router expert bias; trained by the megatron engine only)"""
     num_layers: PositiveInt
     """transformer layers"""
     hidden_size: PositiveInt
@@ -213,6 +214,20 @@ class ModelSection(Section):
     """RoPE's base (Megatron-LM's --rotary-base)"""
     norm_eps: PositiveFloat = 1e-5
     """the normalization layers' epsilon"""
+    q_lora_rank: int = Field(default=0, ge=0)
+    """deepseek_v3: the queries' low-rank width (Megatron-LM's --q-lora-rank); 0: one full q projection"""
+    kv_lora_rank: int = Field(default=0, ge=0)
+    """deepseek_v3: the keys' and values' low-rank width (--kv-lora-rank)"""
+    qk_head_dim: int = Field(default=0, ge=0)
+    """deepseek_v3: a head's q/k width without its rotary part (--qk-head-dim)"""
+    qk_pos_emb_head_dim: int = Field(default=0, ge=0)
+    """deepseek_v3: a head's rotary q/k width (--qk-pos-emb-head-dim)"""
+    v_head_dim: int = Field(default=0, ge=0)
+    """deepseek_v3: a head's value width (--v-head-dim)"""
+    first_k_dense: int = Field(default=0, ge=0)
+    """deepseek_v3: the leading layers with a dense feed-forward (HF's first_k_dense_replace)"""
+    shared_expert_ffn_hidden_size: int = Field(default=0, ge=0)
+    """deepseek_v3: the shared experts' width (--moe-shared-expert-intermediate-size); 0: none"""
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSection:

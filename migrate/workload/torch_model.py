@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from checkpoint.model_shape import ModelShape
+from checkpoint.model_shape import ModelShape, ModelShapeError
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +131,9 @@ class Decoder(nn.Module):
 
     def __init__(self, spec: ModelShape) -> None:
         super().__init__()
+        if spec.is_mla:
+            raise ModelShapeError(f"model.architecture={spec.architecture!r}: the fsdp and deepspeed engines' decoder "
+                                  f"has no multi-latent attention; train it with the megatron engine")
         self.spec = spec
         vocab = spec.padded_vocab_size()
         self.embed_tokens = nn.Embedding(vocab, spec.hidden_size)

@@ -15,6 +15,8 @@
   checks `param.type() == "torch.cuda.FloatTensor"`);
 * `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None (it is referenced
   without Transformer Engine);
+* `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False (its Transformer Engine
+  import succeeds against a mock whose `TELinear` is no type, and `isinstance` then raises);
 * `torch.distributed.all_to_all_single` split sizes given as NumPy arrays or tensors (the
   MoE dispatcher) -> lists of ints;
 * `torch.distributed.all_gather` / `reduce_scatter` with pieces of different lengths along
@@ -257,9 +259,11 @@ def planned_patches() -> list[Patch]:
     patches += [Patch(torch.Tensor, name, _redirect_device_kwarg(getattr(torch.Tensor, name)),
                       "CUDA device kwarg -> CPU") for name in TENSOR_FACTORIES]
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     patches += [
+        Patch(multi_latent_attention, "HAVE_TE", False, "MLA's TELinear is a mock without Transformer Engine"),
         Patch(tp_random, "_set_cuda_rng_state", _cpu_set_rng_state, "RNG tracker fork uses the CPU generator"),
         Patch(tp_random, "_get_cuda_rng_state", _cpu_get_rng_state, "RNG tracker fork uses the CPU generator"),
         Patch(moe_utils, "te_general_gemm", None, "referenced without Transformer Engine; None picks torch matmul"),

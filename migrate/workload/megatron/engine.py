@@ -54,20 +54,32 @@ def transformer_config(model: ModelShape, spec: RunSpec, world_size: int) -> Any
     """Megatron-Core TransformerConfig of the run (dropout off, no fused kernels, CPU init)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
     dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
-    moe = {}
+    moe: dict[str, Any] = {}
     if model.is_moe:
         moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_top_k,
                    moe_ffn_hidden_size=model.expert_ffn_hidden_size,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
                    moe_router_load_balancing_type="none", moe_permute_fusion=False)
-    return TransformerConfig(
+    config_class = TransformerConfig
+    attention: dict[str, Any] = dict(num_query_groups=model.num_query_groups, kv_channels=model.head_dim)
+    if model.is_mla:  # DeepSeek-V3: MLA with its q/kv norms, first-k dense layers, shared experts, sigmoid router
+        config_class = MLATransformerConfig
+        attention = dict(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
+                         qk_head_dim=model.qk_head_dim, qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+                         v_head_dim=model.v_head_dim, rope_type="rope", rotary_base=model.rotary_base)
+        moe |= dict(moe_layer_freq=model.moe_layer_freq, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+                    moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None)
+    return config_class(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        kv_channels=model.head_dim, normalization="RMSNorm" if model.gated_ffn else "LayerNorm",
+        num_attention_heads=model.num_attention_heads, **attention,
+        normalization="RMSNorm" if model.gated_ffn else "LayerNorm",
         layernorm_epsilon=model.norm_eps, gated_linear_unit=model.gated_ffn,
         activation_func=F.silu if model.gated_ffn else F.gelu, add_bias_linear=False,
-        add_qkv_bias=model.qkv_bias, qk_layernorm=model.qk_norm,
+        add_qkv_bias=model.qkv_bias, qk_layernorm=model.qk_norm or model.is_mla,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
@@ -90,7 +102,8 @@ def _build_chunks(model: ModelShape, spec: RunSpec, config: Any) -> list[torch.n
         # Local-spec layers whose norms are torch norms marked for sequence parallel (megatron_norm.py).
         block_spec = gpt_block_spec(config, num_experts=model.num_experts if model.is_moe else None,
                                     normalization="RMSNorm" if model.gated_ffn else "LayerNorm", vp_stage=stage,
-                                    qk_layernorm=model.qk_norm)
+                                    qk_layernorm=model.qk_norm or model.is_mla, moe_layers=model.moe_layer_freq,
+                                    multi_latent_attention=model.is_mla)
         chunks.append(GPTModel(
             config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size(spec.tp),
             max_sequence_length=model.seq_length,
