@@ -549,6 +549,35 @@ def _rank_model_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torc
             ps.destroy_model_parallel()
 
 
+def assert_megatron_gives_hf_logits(hf: Any, hf_dir: Path, dst: Path, model: ModelShape, layout: dict[str, int]
+                                    ) -> None:
+    """Convert the transformers model `hf` saved at `hf_dir` to Megatron at `layout` (into `dst`): Megatron-Core's
+    forward on the result gives `hf`'s logits."""
+    from checkpoint.api import LayoutRequest, convert
+
+    convert(hf_dir, dst, to="megatron", target=LayoutRequest(**layout))
+    tokens = torch.randint(0, model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    got = megatron_logits(MegatronLMRun(model=model, **layout), dst, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def saved_runs(tmp_path_factory: Any, runs: dict[str, MegatronLMRun], prefix: str):
+    """`get(name)` -> (save dir written as Megatron-LM does, save results, the source's truth from `reference/`):
+    each of `runs` trained and saved once, the first time a test asks for it."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            save_dir = tmp_path_factory.mktemp(f"{prefix}{name}")
+            saved = save_megatron_lm(runs[name], save_dir)
+            cache[name] = save_dir, saved, plain_state(save_dir / "reference")
+        return cache[name]
+
+    return get
+
+
 def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) -> list[dict[str, Any]]:
     """Load `load_dir` at `run`'s layout as Megatron-LM's `load_checkpoint` does; the loaded state is saved fully
     reshardable into `out` (`plain_state(out)`); per rank what was restored."""

@@ -25,7 +25,8 @@ import torch
 from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.model_shape import ModelShape
-from tests.megatron_lm_fixtures import MegatronLMRun, load_megatron_lm, megatron_logits, plain_state, save_megatron_lm
+from tests.megatron_lm_fixtures import (MegatronLMRun, assert_megatron_gives_hf_logits, load_megatron_lm, megatron_logits,
+                                      plain_state, saved_runs)
 
 DEEPSEEK = ModelShape(architecture="deepseek_v3", num_layers=4, hidden_size=64, ffn_hidden_size=128,
                       num_attention_heads=4, num_query_groups=4, vocab_size=128, seq_length=32,
@@ -41,16 +42,7 @@ CASES = [("dp2ep2", (1, 1, 1, 1)), ("dp2ep2", (1, 2, 2, 2)), ("dp2ep2", (2, 1, 2
 @pytest.fixture(scope="session")
 def deepseek_checkpoint(tmp_path_factory):
     """`get(run)` -> (save dir written as Megatron-LM does, save results, the source's truth); once per run."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str) -> tuple:
-        if name not in cache:
-            save_dir = tmp_path_factory.mktemp(f"mlm_deepseek_{name}")
-            saved = save_megatron_lm(RUNS[name], save_dir)
-            cache[name] = save_dir, saved, plain_state(save_dir / "reference")
-        return cache[name]
-
-    return get
+    return saved_runs(tmp_path_factory, RUNS, "mlm_deepseek_")
 
 
 @pytest.mark.slow
@@ -134,13 +126,7 @@ def _transformers_deepseek(path, m: ModelShape):
 def test_a_transformers_deepseek_model_converts_to_megatron_and_gives_its_logits(tmp_path, layout):
     m = dataclasses.replace(DEEPSEEK, make_vocab_size_divisible_by=128)  # Megatron-LM's default padding
     hf = _transformers_deepseek(tmp_path / "hf", m)
-    dst = tmp_path / "mcore"
-    convert(tmp_path / "hf", dst, to="megatron", target=LayoutRequest(**layout))
-    tokens = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(tokens).logits
-    got = megatron_logits(MegatronLMRun(model=m, **layout), dst, tokens)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_megatron_gives_hf_logits(hf, tmp_path / "hf", tmp_path / "mcore", m, layout)
 
 
 def test_deepseek_formats_not_mapped_yet_are_refused_in_one_line(tmp_path):

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from checkpoint.api import LayoutRequest, convert, read_index
-from tests.megatron_lm_fixtures import LLAMA, MegatronLMRun, load_megatron_lm, megatron_logits, plain_state, save_megatron_lm
+from tests.megatron_lm_fixtures import (LLAMA, MegatronLMRun, assert_megatron_gives_hf_logits, load_megatron_lm,
+                                      megatron_logits, plain_state, saved_runs)
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +43,7 @@ CASES = [("qwen2", (1, 2, 2, 1), "megatron"), ("qwen2", (1, 1, 2, 1), "megatron-
 @pytest.fixture(scope="session")
 def qwen_checkpoint(tmp_path_factory):
     """`get(family)` -> (save dir written as Megatron-LM does, save results, the source's truth); once per family."""
-    cache: dict[str, tuple] = {}
-
-    def get(family: str) -> tuple:
-        if family not in cache:
-            save_dir = tmp_path_factory.mktemp(f"mlm_{family}")
-            saved = save_megatron_lm(RUNS[family], save_dir)
-            cache[family] = save_dir, saved, plain_state(save_dir / "reference")
-        return cache[family]
-
-    return get
+    return saved_runs(tmp_path_factory, RUNS, "mlm_")
 
 
 @pytest.mark.parametrize("family,layout,to", CASES,
@@ -122,14 +114,8 @@ def test_a_transformers_qwen_model_converts_to_megatron_and_gives_its_logits(tmp
             if name.endswith(("_proj.bias", "_norm.weight")):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
     hf.save_pretrained(tmp_path / "hf")
-    dst = tmp_path / "mcore"
     layout = {"tp": 1, "ep": 2, "dp": 2} if m.is_moe else {"tp": 2}
-    convert(tmp_path / "hf", dst, to="megatron", target=LayoutRequest(**layout))
-    tokens = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(tokens).logits
-    got = megatron_logits(MegatronLMRun(model=m, **layout), dst, tokens)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_megatron_gives_hf_logits(hf, tmp_path / "hf", tmp_path / "mcore", m, layout)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
