@@ -199,6 +199,11 @@ class ModelShape:
         return 2 * self.hidden_size
 
     @property
+    def dense_ffn_params(self) -> int:
+        """A dense layer's FFN matrices (`ffn_hidden_size` wide)."""
+        return (3 if self.gated_ffn else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
     def shared_ffn_params(self) -> int:
         """The shared experts' matrices of an MoE layer (0 without shared experts)."""
         return 3 * self.hidden_size * self.shared_expert_ffn_hidden_size
@@ -208,8 +213,7 @@ class ModelShape:
         router and shared experts included)."""
         moe = self.is_moe if layer is None else self.is_moe_layer(layer)
         if not moe:
-            dense = (3 if self.gated_ffn else 2) * self.hidden_size * self.ffn_hidden_size
-            return self.attention_params_per_layer + dense + self.norm_params_per_layer
+            return self.attention_params_per_layer + self.dense_ffn_params + self.norm_params_per_layer
         router = self.hidden_size * self.num_experts
         return (self.attention_params_per_layer + self.num_experts * self.ffn_params_per_expert + self.shared_ffn_params
                 + self.norm_params_per_layer + router)
@@ -222,10 +226,9 @@ class ModelShape:
 
     def active_params(self) -> int:
         """Parameters one token passes through (top-k experts and the shared experts only)."""
-        dense = (3 if self.gated_ffn else 2) * self.hidden_size * self.ffn_hidden_size
         routed = self.moe_top_k * self.ffn_params_per_expert + self.shared_ffn_params
         per_layer = self.attention_params_per_layer + self.norm_params_per_layer
-        ffns = sum(routed if self.is_moe_layer(i) else dense for i in range(self.num_layers))
+        ffns = sum(routed if self.is_moe_layer(i) else self.dense_ffn_params for i in range(self.num_layers))
         return self.num_layers * per_layer + ffns + 2 * self.vocab_size * self.hidden_size
 
     def tensor_fields(self) -> dict[str, Any]:

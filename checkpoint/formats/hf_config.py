@@ -19,7 +19,7 @@ from typing import Any
 
 from checkpoint.errors import PlanError
 from checkpoint.model_shape import MLA_TENSOR_FIELDS, MOE_ARCHITECTURES, ModelShape
-from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config, family_of_args, first_k_dense
+from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config, family_of_args, mla_fields_of_args
 
 # architecture -> (transformers config class, model class, model_type)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
@@ -129,11 +129,7 @@ def fields_from_megatron_args(args: Mapping[str, Any], *, origin: str) -> ModelF
     family = family_of_args(args)
     mla: dict[str, Any] = {}
     if family == "deepseek_v3":
-        groups = heads
-        mla = {f: int(args.get(f) or 0) for f in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                                                  "v_head_dim")}
-        mla |= {"first_k_dense": first_k_dense(args.get("moe_layer_freq", 1), int(args["num_layers"])) or 0,
-                "shared_expert_ffn_hidden_size": int(args.get("moe_shared_expert_intermediate_size") or 0)}
+        groups, mla = heads, mla_fields_of_args(args)
     shape = _shape(
         origin, architecture=family, num_layers=int(_need(args, "num_layers", origin)),
         hidden_size=int(_need(args, "hidden_size", origin)), ffn_hidden_size=int(_need(args, "ffn_hidden_size", origin)),

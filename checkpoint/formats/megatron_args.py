@@ -20,7 +20,7 @@ from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.hf_config import ModelFields
 from checkpoint.layout import ParallelLayout
 from checkpoint.model_shape import MLA_TENSOR_FIELDS, TENSOR_FIELDS, ModelShape
-from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, family_of_args, first_k_dense
+from checkpoint.rules.megatron import SWIGLU_ARCHITECTURES, family_of_args, first_k_dense, mla_fields_of_args
 
 # What `inspect` shows of a Megatron-LM run, in this order (fields the Namespace lacks are left out)
 SUMMARY_FIELDS = (
@@ -133,12 +133,7 @@ def arch_from_args(args: Any, *, where: str) -> ModelShape:
     groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
     mla: dict[str, Any] = {}
     if family == "deepseek_v3":
-        groups = heads
-        mla = {"q_lora_rank": int(a.get("q_lora_rank") or 0), "kv_lora_rank": int(a.get("kv_lora_rank") or 0),
-               "qk_head_dim": int(a.get("qk_head_dim") or 0), "qk_pos_emb_head_dim": int(a.get("qk_pos_emb_head_dim") or 0),
-               "v_head_dim": int(a.get("v_head_dim") or 0),
-               "first_k_dense": first_k_dense(a.get("moe_layer_freq", 1), int(a["num_layers"])) or 0,
-               "shared_expert_ffn_hidden_size": int(a.get("moe_shared_expert_intermediate_size") or 0)}
+        groups, mla = heads, mla_fields_of_args(a)
     try:
         return ModelShape(architecture=family, num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
                         ffn_hidden_size=int(a["ffn_hidden_size"]), num_attention_heads=heads, num_query_groups=groups,

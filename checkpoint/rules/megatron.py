@@ -121,6 +121,15 @@ def first_k_dense(moe_layer_freq: Any, num_layers: int) -> int | None:
     return k if pattern == [0] * k + [1] * (num_layers - k) else None
 
 
+def mla_fields_of_args(args: Mapping[str, Any]) -> dict[str, int]:
+    """The DeepSeek-V3 (MLA) model-shape fields of a Megatron-LM run's args (0 where unset); first_k_dense from
+    --moe-layer-freq (0 for any other pattern, which the args reader refuses by name)."""
+    out = {f: int(args.get(f) or 0) for f in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                             "v_head_dim")}
+    return out | {"first_k_dense": first_k_dense(args.get("moe_layer_freq", 1), int(args["num_layers"])) or 0,
+                  "shared_expert_ffn_hidden_size": int(args.get("moe_shared_expert_intermediate_size") or 0)}
+
+
 def arch_from_config(config: Mapping[str, Any], *, where: str = "model config") -> ModelShape:
     """The ModelShape of a model config: an HF `config.json` (llama/mistral/mixtral/starcoder2 keys, told
     apart by `model_type`) or ModelShape fields (the built-in engines' saved spec, the job YAML's
