@@ -22,7 +22,7 @@ from checkpoint.write import Writer
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import FORMAT_ALIASES, CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.index import CheckpointIndex
-from checkpoint.layout import LayoutRequest
+from checkpoint.layout import PIPELINE_STAGE_FIELDS, LayoutRequest
 from checkpoint.naming import named_for_target
 from checkpoint.paths import check_disjoint, check_links, inside
 from checkpoint.plan import ConversionPlan, make_plan
@@ -69,9 +69,10 @@ def read_index(path: str | Path, *, expect: LayoutRequest = NO_REQUEST, trust_ch
     link in it may lead outside it (unless `follow_symlinks`); after: every file the index names must lie
     inside the checkpoint's root. Raises CheckpointFormatError naming the file otherwise."""
     path = Path(path)
-    if expect.vpp is not None:
-        raise PlanError(f"expect vpp={expect.vpp}: sources do not declare a virtual pipeline size to check; "
-                        f"leave it None")
+    unexpectable = {k: getattr(expect, k) for k in ("vpp", *PIPELINE_STAGE_FIELDS) if getattr(expect, k) is not None}
+    if unexpectable:
+        raise PlanError(f"expect {', '.join(f'{k}={v}' for k, v in unexpectable.items())}: sources do not declare a "
+                        f"virtual pipeline size or pipeline split to check; leave them None")
     if not path.exists():
         raise CheckpointFormatError(f"{path}: no such file or directory")
     refuse_unfinished(path)
@@ -118,13 +119,19 @@ def plan_conversion(index: CheckpointIndex, *, to: str, target: LayoutRequest = 
         why = "map canonical names themselves" if spec.names == "canonical" else "keep the source's module names"
         raise PlanError(f"--param-names {param_names}: {to} targets {why}; formats that take --param-names: "
                         f"{', '.join(f.name for f in FORMAT_TABLE if f.names == 'any')}")
+    staged = {k: getattr(target, k) for k in PIPELINE_STAGE_FIELDS if getattr(target, k) is not None}
+    if staged and to not in PIPELINE_TARGETS:
+        raise PlanError(f"{staged}: only {' and '.join(PIPELINE_TARGETS)} targets place decoder layers on pipeline "
+                        f"stages; {to} holds whole tensors")
     _refuse_unmapped_architecture(index, to)
     index = named_for_target(index, target_names=spec.names, want=param_names, arch=arch, model_config=model_config)
     return make_plan(index, spec.target(index, opts)), spec.writer
 
 
-MLA_TARGETS = ("megatron", "hf")
+MLA_TARGETS = ("megatron", "megatron-legacy", "hf")
 """The formats a DeepSeek-V3-class (multi-latent attention) source converts to so far."""
+PIPELINE_TARGETS = ("megatron", "megatron-legacy")
+"""The formats whose writers place decoder layers on pipeline stages (and take first/last stage layer counts)."""
 
 
 def _refuse_unmapped_architecture(index: CheckpointIndex, to: str) -> None:
@@ -135,8 +142,8 @@ def _refuse_unmapped_architecture(index: CheckpointIndex, to: str) -> None:
     family = (index.meta.get("arch") or {}).get("architecture")
     if family in MLA_ARCHITECTURES and to not in MLA_TARGETS:
         raise PlanError(f"{index.root}: a {family} model (multi-latent attention) converts to "
-                        f"{' and '.join(MLA_TARGETS)} (torch_dist at any TP/PP/EP/DP; transformers' DeepseekV3) only so far, "
-                        f"not to {to}")
+                        f"{', '.join(MLA_TARGETS)} (Megatron files at any TP/PP/EP/DP; transformers' DeepseekV3) only so "
+                        f"far, not to {to}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+# decoder layers on the first / last pipeline rank (None: an even split)
+PIPELINE_STAGE_FIELDS = ("first_pipeline_stage_layers", "last_pipeline_stage_layers")
 
 
 class LayoutError(ValueError):
@@ -63,7 +65,9 @@ class RankCoordinates:
 class ParallelLayout:
     """How a job's ranks are split; validated on construction.
 
-    ``vpp`` is the number of virtual pipeline stages per pipeline rank (1 = none).
+    ``vpp`` is the number of virtual pipeline stages per pipeline rank (1 = none). ``first_pipeline_stage_layers`` /
+    ``last_pipeline_stage_layers`` put that many decoder layers on the first / last pipeline rank and split the rest
+    evenly over the middle ranks (Megatron-LM's --decoder-first/last-pipeline-num-layers; None: an even split).
     """
 
     tp: int = 1
@@ -74,12 +78,17 @@ class ParallelLayout:
     vpp: int = 1
     sharding: OptimizerSharding = OptimizerSharding.NONE
     order: str = DEFAULT_ORDER
+    first_pipeline_stage_layers: int | None = None
+    last_pipeline_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "vpp": self.vpp}
+        sizes |= {k: v for k, v in self.pipeline_split.items() if v is not None}
         bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
         if bad:
             raise LayoutError(f"parallel sizes must be integers >= 1, got {bad} in {self}")
+        if self.pp == 1 and self.uneven:
+            raise LayoutError(f"first/last pipeline stage layers {self.pipeline_split} need pp > 1, got pp(1)")
         axes = self.order.split("-")
         if sorted(axes) != sorted(AXES):
             raise LayoutError(f"order {self.order!r} must name each of {', '.join(AXES)} exactly once")
@@ -92,6 +101,16 @@ class ParallelLayout:
             object.__setattr__(self, "sharding", OptimizerSharding(self.sharding))
         if self.vpp > 1 and self.pp == 1:
             raise LayoutError(f"vpp({self.vpp}) > 1 needs pp > 1, got pp({self.pp})")
+
+    @property
+    def pipeline_split(self) -> dict[str, int | None]:
+        """The first/last pipeline stage layer counts by field name (None: even)."""
+        return {k: getattr(self, k) for k in PIPELINE_STAGE_FIELDS}
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the first or last pipeline rank has its own layer count."""
+        return self.first_pipeline_stage_layers is not None or self.last_pipeline_stage_layers is not None
 
     @property
     def world_size(self) -> int:
@@ -164,6 +183,10 @@ class ParallelLayout:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
+        if self.first_pipeline_stage_layers is not None:
+            parts.append(f"first{self.first_pipeline_stage_layers}")
+        if self.last_pipeline_stage_layers is not None:
+            parts.append(f"last{self.last_pipeline_stage_layers}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         parts.append(f"dp{self.dp}")
@@ -173,10 +196,12 @@ class ParallelLayout:
         return label if self.sharding is OptimizerSharding.NONE else f"{label} {self.sharding.value}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        """Every field as plain values; the stage layer counts only when set."""
+        out: dict[str, object] = {
             "tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp,
             "vpp": self.vpp, "sharding": self.sharding.value, "order": self.order,
         }
+        return out | {k: v for k, v in self.pipeline_split.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> ParallelLayout:
@@ -192,9 +217,10 @@ class LayoutRequest:
     """A layout asked of a conversion, axis by axis; a `None` axis is left to the checkpoint.
 
     As a conversion's `target`: the layout to write (`None`: the source's size, or the target format's only
-    choice). As its `expect`: what the source must declare (`None`: not checked; `vpp` is not declared by
-    sources and cannot be expected). `dp` is the data-parallel size (for DCP: the world size), `zero_stage`
-    DeepSpeed's ZeRO stage (1-3)."""
+    choice). As its `expect`: what the source must declare (`None`: not checked; `vpp` and the stage layer
+    counts are not declared by every source and cannot be expected). `dp` is the data-parallel size (for DCP:
+    the world size), `zero_stage` DeepSpeed's ZeRO stage (1-3); `first_pipeline_stage_layers` / `last_pipeline_stage_layers` the
+    decoder layers of the first / last pipeline rank (None: the source's when the pipeline is kept, else even)."""
 
     dp: int | None = None
     tp: int | None = None
@@ -202,9 +228,11 @@ class LayoutRequest:
     ep: int | None = None
     vpp: int | None = None
     zero_stage: int | None = None
+    first_pipeline_stage_layers: int | None = None
+    last_pipeline_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "ep", "vpp"):
+        for axis in ("dp", "tp", "pp", "ep", "vpp", *PIPELINE_STAGE_FIELDS):
             value = getattr(self, axis)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise LayoutError(f"{axis}={value!r}: a parallel size is a positive integer (or None: the checkpoint's)")
@@ -214,6 +242,8 @@ class LayoutRequest:
     def describe(self) -> str:
         """The axes asked for, e.g. ``tp2·dp4 zero1``; ``as the checkpoint`` when none is."""
         parts = [f"{axis}{getattr(self, axis)}" for axis in ("tp", "pp", "vpp", "dp", "ep") if getattr(self, axis)]
+        parts += [f"{end}{n}" for end, n in (("first", self.first_pipeline_stage_layers),
+                                             ("last", self.last_pipeline_stage_layers)) if n is not None]
         label = "·".join(parts)
         if self.zero_stage is not None:
             label = f"{label} zero{self.zero_stage}".strip()

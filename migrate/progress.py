@@ -69,7 +69,9 @@ class LiveStatus:
             bar.close()
 
     def close(self, last: str = "done") -> None:
-        """Stop; say `last` with the seconds it all took when anything was shown."""
+        """Stop; say `last` with the seconds it all took when anything was shown (once: a second close is a no-op)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join()
         if self._shown and last:

@@ -49,6 +49,12 @@ LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidde
                   num_query_groups=2, vocab_size=128, seq_length=32, make_vocab_size_divisible_by=64)
 MIXTRAL = dataclasses.replace(LLAMA, architecture="mixtral", ffn_hidden_size=96, num_experts=4, moe_top_k=2)
 GPT = dataclasses.replace(LLAMA, architecture="gpt", num_query_groups=4, norm_eps=1e-6, rotary_base=50000.0)
+# DeepSeek-V3 class: MLA, a dense first layer, 4 routed experts top-2 and a shared one, the router's expert bias
+DEEPSEEK = ModelShape(architecture="deepseek_v3", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                      num_attention_heads=4, num_query_groups=4, vocab_size=128, seq_length=32,
+                      make_vocab_size_divisible_by=64, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
+                      q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                      first_k_dense=1, shared_expert_ffn_hidden_size=32, norm_eps=1e-6)
 FLOPS_SO_FAR = 1.25e12
 
 
@@ -71,6 +77,8 @@ class MegatronLMRun:
     ckpt_format: str = "torch_dist"  # --ckpt-format: torch_dist | torch (legacy: mp_rank_* dirs, distrib_optim.pt)
     model: ModelShape | None = None  # another model than the family's tiny default
     override_opt_param_scheduler: bool = False  # --override-opt_param-scheduler: the run's own LR schedule
+    first_pipeline_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_pipeline_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
 
     @property
     def world_size(self) -> int:
@@ -83,7 +91,9 @@ class MegatronLMRun:
         optimizer = self.sharding if self.distributed_optimizer else "plain"
         family = "moe_" if self.moe else "gpt_" if self.gpt else ""
         legacy = "_legacy" if self.ckpt_format == "torch" else ""
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}_{family}{self.precision}_{optimizer}{buckets}{legacy}"
+        stages = "".join(f"_{end}{n}" for end, n in (("first", self.first_pipeline_stage_layers),
+                                                    ("last", self.last_pipeline_stage_layers)) if n is not None)
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}{ep}{stages}_{family}{self.precision}_{optimizer}{buckets}{legacy}"
 
     def spec(self) -> RunSpec:
         model = self.model or (MIXTRAL if self.moe else GPT if self.gpt else LLAMA)
@@ -123,6 +133,9 @@ def megatron_lm_args(run: MegatronLMRun, *, iteration: int) -> argparse.Namespac
         v_head_dim=m.v_head_dim or None, mtp_num_layers=None,
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None, decoder_first_pipeline_num_layers=run.first_pipeline_stage_layers,
+        decoder_last_pipeline_num_layers=run.last_pipeline_stage_layers, pipeline_model_parallel_layout=None,
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
         expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.tp, context_parallel_size=1,
         sequence_parallel=spec.sequence_parallel, data_parallel_size=run.dp, world_size=run.world_size,
         use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=run.bucket_size is not None,
@@ -153,6 +166,7 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from migrate.workload.megatron.engine import _build_chunks, transformer_config
+    from migrate.workload.megatron.state import allow_empty_optimizers
     from migrate.workload.megatron.state import seed_host_rng
 
     spec = run.spec()
@@ -162,6 +176,9 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
     model_parallel_cuda_manual_seed(spec.train.seed)
     config = transformer_config(spec.model, spec, ctx.world_size)
     config.batch_p2p_comm = False
+    # Megatron-LM's core_transformer_config_from_args: --decoder-first/last-pipeline-num-layers
+    config.num_layers_in_first_pipeline_stage = run.first_pipeline_stage_layers
+    config.num_layers_in_last_pipeline_stage = run.last_pipeline_stage_layers
     overlap = run.bucket_size is not None
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                                bucket_size=run.bucket_size,
@@ -175,6 +192,7 @@ def _setup(ctx: Any, run: MegatronLMRun) -> tuple[list, Any, Any, RunSpec]:
         optimizer="adam", lr=o.lr, min_lr=o.lr / 10, weight_decay=o.weight_decay, adam_beta1=o.beta1, adam_beta2=o.beta2,
         adam_eps=o.eps, clip_grad=o.clip_grad, bf16=run.precision == "bf16", params_dtype=config.params_dtype,
         use_distributed_optimizer=run.distributed_optimizer), chunks)
+    allow_empty_optimizers(optimizer)  # the built-in engine's workaround (a pipeline stage without experts, no Apex/TE)
     config.finalize_model_grads_func = finalize_model_grads
     gbs = spec.train.global_batch_size
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.lr / 10,
@@ -586,11 +604,50 @@ def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) 
                          str(out))
 
 
+def assert_loads_with_every_state_equal(run: MegatronLMRun, load_dir: str | Path, out: str | Path,
+                                        truth: dict[str, torch.Tensor], *, what: str) -> list[dict[str, Any]]:
+    """Load `load_dir` at `run`'s layout as Megatron-LM does (`load_megatron_lm`): every rank restored Adam step
+    `run.steps`, and every tensor of the loaded state (weights, buffers, fp32 master, Adam moments) equals `truth`
+    (the source's `plain_state`) in dtype and value. Per rank what was restored."""
+    loaded = load_megatron_lm(run, load_dir, out)
+    assert all(r["adam_steps"] == [float(run.steps)] for r in loaded), loaded
+    got = plain_state(out)
+    assert sorted(got) == sorted(truth)
+    unequal = [k for k in truth if truth[k].dtype != got[k].dtype or not torch.equal(truth[k], got[k])]
+    assert not unequal, f"differ from {what} after Megatron-LM's load at {run.name}: {unequal}"
+    return loaded
+
+
+def assert_synthesized_metadata_is_megatrons(iteration_dir: str | Path, layout: Any, *,
+                                             model_dtype: str = "float32") -> None:
+    """The metadata the planner synthesizes for `layout` (`checkpoint.formats.megatron_synth`) has the DCP keys,
+    global sizes and dtypes of the checkpoint Megatron-Core wrote in `iteration_dir`, and reads to the same index."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from checkpoint.api import read_index
+    from checkpoint.formats.megatron_synth import synthesize_metadata, synthetic_index
+
+    real_index = read_index(iteration_dir)
+    arch = ModelShape.from_dict(dict(real_index.meta["arch"]))
+    md, _ = synthesize_metadata(arch, layout, model_dtype=model_dtype)
+    real = FileSystemReader(str(iteration_dir)).read_metadata()
+
+    def tensors(m: Any) -> dict[str, tuple]:
+        return {k: (tuple(v.size), v.properties.dtype) for k, v in m.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)}
+
+    assert tensors(md) == tensors(real)
+    synth = synthetic_index(arch, layout, model_dtype=model_dtype)
+    assert {(e.key, e.shape, e.dtype) for e in synth.entries} == {(e.key, e.shape, e.dtype) for e in real_index.entries}
+
+
 def megatron_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     """The logits Megatron-Core's GPTModel gives for `tokens` (batch, seq) with the weights of the torch_dist save
     dir (or iteration dir) `load_dir`, built at tp 1, pp 1 in fp32 (bf16 weights load exactly into it) on one
     rank, in eval mode."""
-    one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None)
+    one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None,
+                              first_pipeline_stage_layers=None, last_pipeline_stage_layers=None)
     with _group(1) as group:
         return group.run(_rank_model_logits, one, str(load_dir), tokens)[0]
 

@@ -6,7 +6,8 @@ layernorms, `moe_layer_freq` with a dense first layer, `moe_shared_expert_interm
 `moe_router_enable_expert_bias` with sigmoid scores), trained on Gloo ranks and saved the way Megatron-LM's
 `checkpointing.py` does (tests/megatron_lm_fixtures.py). Its layers differ, so Megatron-Core stores one key per layer
 (`decoder.layers.{i}...`). Converted across TP, PP, EP and DP, the result is loaded by Megatron-LM's load path at the
-target layout with every weight, expert bias, fp32 master and Adam state equal to the source's; converted to HF,
+target layout with every weight, expert bias, fp32 master and Adam state equal to the source's (also from and to
+Megatron-LM's legacy per-rank files, `--ckpt-format torch`); converted to HF,
 transformers' `DeepseekV3ForCausalLM` takes the folder and gives Megatron-Core's logits; a transformers-saved
 DeepSeek-V3 converts to Megatron and Megatron-Core's forward at TP 2 and at EP 2 gives transformers' logits.
 """
@@ -25,15 +26,11 @@ import torch
 from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.model_shape import ModelShape
-from tests.megatron_lm_fixtures import (MegatronLMRun, assert_megatron_gives_hf_logits, load_megatron_lm, megatron_logits,
-                                      plain_state, saved_runs)
+from tests.megatron_lm_fixtures import (DEEPSEEK, MegatronLMRun, assert_loads_with_every_state_equal,
+                                      assert_megatron_gives_hf_logits, megatron_logits, saved_runs)
 
-DEEPSEEK = ModelShape(architecture="deepseek_v3", num_layers=4, hidden_size=64, ffn_hidden_size=128,
-                      num_attention_heads=4, num_query_groups=4, vocab_size=128, seq_length=32,
-                      make_vocab_size_divisible_by=64, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
-                      q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-                      first_k_dense=1, shared_expert_ffn_hidden_size=32, norm_eps=1e-6)
-RUNS = {"dp2ep2": MegatronLMRun(dp=2, ep=2, model=DEEPSEEK), "tp2": MegatronLMRun(tp=2, model=DEEPSEEK)}
+RUNS = {"dp2ep2": MegatronLMRun(dp=2, ep=2, model=DEEPSEEK), "tp2": MegatronLMRun(tp=2, model=DEEPSEEK),
+        "dp2ep2_legacy": MegatronLMRun(dp=2, ep=2, model=DEEPSEEK, ckpt_format="torch")}
 # (source run, target layout (tp, pp, dp, ep)): EP and TP shrunk, PP grown with EP kept, TP grown, EP grown from TP 2
 CASES = [("dp2ep2", (1, 1, 1, 1)), ("dp2ep2", (1, 2, 2, 2)), ("dp2ep2", (2, 1, 2, 1)),
          ("tp2", (1, 1, 2, 2)), ("tp2", (1, 2, 1, 1))]
@@ -65,12 +62,30 @@ def test_megatron_lm_loads_the_deepseek_conversion_with_every_state_equal(deepse
     dst = tmp_path / "converted"
     convert(src, dst, to="megatron", target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep))
     run = RUNS[name]
-    loaded = load_megatron_lm(dataclasses.replace(run, tp=tp, pp=pp, dp=dp, ep=ep), dst, tmp_path / "loaded")
-    assert all(r["adam_steps"] == saved[0]["adam_steps"] == [float(run.steps)] for r in loaded)
-    got = plain_state(tmp_path / "loaded")
-    assert sorted(got) == sorted(truth)
-    unequal = [k for k in truth if truth[k].dtype != got[k].dtype or not torch.equal(truth[k], got[k])]
-    assert not unequal, f"differ from the {name} source after Megatron-LM's load at {layout}: {unequal}"
+    assert saved[0]["adam_steps"] == [float(run.steps)]
+    assert_loads_with_every_state_equal(dataclasses.replace(run, tp=tp, pp=pp, dp=dp, ep=ep), dst, tmp_path / "loaded",
+                                        truth, what=f"the {name} source")
+
+
+# (source run, target format, target layout (tp, pp, dp, ep)): Megatron-LM's legacy files (--ckpt-format torch) of a
+# DeepSeek-V3 run, read and written; the expert bias is a persistent buffer in each rank's model state dict
+LEGACY_CASES = [("dp2ep2_legacy", "megatron", (1, 2, 1, 1)), ("dp2ep2", "megatron-legacy", (2, 1, 2, 1)),
+                ("dp2ep2_legacy", "megatron-legacy", (1, 1, 2, 2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,to,layout", LEGACY_CASES,
+                         ids=[f"{n}-to-{t}-tp{a}pp{b}dp{c}ep{d}" for n, t, (a, b, c, d) in LEGACY_CASES])
+def test_megatron_lm_legacy_deepseek_files_convert_with_every_state_equal(deepseek_checkpoint, tmp_path, name, to,
+                                                                          layout):
+    src, _, truth = deepseek_checkpoint(name)
+    assert read_index(src).meta["arch"] == DEEPSEEK.tensor_fields()
+    tp, pp, dp, ep = layout
+    dst = tmp_path / "converted"
+    convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep))
+    run = dataclasses.replace(RUNS[name], tp=tp, pp=pp, dp=dp, ep=ep,
+                              ckpt_format="torch" if to == "megatron-legacy" else "torch_dist")
+    assert_loads_with_every_state_equal(run, dst, tmp_path / "loaded", truth, what=f"the {name} source")
 
 
 @pytest.mark.slow
@@ -130,10 +145,10 @@ def test_a_transformers_deepseek_model_converts_to_megatron_and_gives_its_logits
 
 
 def test_deepseek_formats_not_mapped_yet_are_refused_in_one_line(tmp_path):
-    """A DeepSeek-V3 source to a format whose writer has no MLA rules (DeepSpeed, DCP, the legacy Megatron files):
-    one line naming the architecture and the formats it converts to, exit 2, nothing written."""
+    """A DeepSeek-V3 source to a format whose writer has no MLA rules (DeepSpeed, DCP): one line naming the
+    architecture and the formats it converts to, exit 2, nothing written."""
     _transformers_deepseek(tmp_path / "hf", DEEPSEEK)
-    for to in ("deepspeed", "dcp", "megatron-legacy"):
+    for to in ("deepspeed", "dcp"):
         out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(tmp_path / "hf"), str(tmp_path / to),
                               "--to", to], capture_output=True, text=True)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

@@ -54,7 +54,7 @@ def test_name_table_is_a_bijection_over_the_models_parameters(arch):
         names = list(build_decoder(SPECS[arch], 0).state_dict())
     else:  # the built-in decoder has no multi-latent attention: the rules' names of a DeepSeek-V3 model
         from checkpoint.rules.megatron import canonical_tensors
-        from tests.test_architectures_deepseek import DEEPSEEK
+        from tests.megatron_lm_fixtures import DEEPSEEK
 
         names = [n for n, _ in canonical_tensors(DEEPSEEK)]
     hf = [rename(n, arch, src="canonical", dst="hf") for n in names]

@@ -17,7 +17,7 @@ import pytest
 
 from checkpoint.api import LayoutRequest, plan_conversion, read_index
 from checkpoint.formats.megatron import FORMAT
-from checkpoint.formats.megatron_synth import plan_figures, synthesize_metadata, synthetic_index
+from checkpoint.formats.megatron_synth import plan_figures, synthetic_index
 from checkpoint.index import Kind
 from checkpoint.layout import OptimizerSharding, ParallelLayout
 from checkpoint.model_shape import ModelShape
@@ -67,25 +67,12 @@ def test_70b_plan_from_metadata_only(monkeypatch):
 def test_synthesized_metadata_matches_engine_checkpoint(megatron_checkpoint, src):
     """Same DCP keys, global sizes and dtypes as Megatron-Core writes, and the same index after reading
     (MoE: experts in their own chained optimizer under EP, inside the dense buffer at EP 1)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from tests.megatron_lm_fixtures import assert_synthesized_metadata_is_megatrons
 
     tp, pp, dp, ep, moe = src
     ck = megatron_checkpoint(tp, pp, dp, ep=ep, moe=moe, global_batch_size=12)  # shared with test_megatron_convert
-    real_index = read_index(ck.path)
-    assert real_index.format == FORMAT
-    arch = ModelShape.from_dict(dict(real_index.meta["arch"]))
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, sharding=DIST_OPT)
-    md, _ = synthesize_metadata(arch, layout, model_dtype="float32")
-    real = FileSystemReader(str(ck.path)).read_metadata()
-
-    def tensors(m):
-        return {k: (tuple(v.size), v.properties.dtype) for k, v in m.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)}
-
-    assert tensors(md) == tensors(real)
-    synth = synthetic_index(arch, layout, model_dtype="float32")
-    assert {(e.key, e.shape, e.dtype) for e in synth.entries} == {(e.key, e.shape, e.dtype) for e in real_index.entries}
+    assert read_index(ck.path).format == FORMAT
+    assert_synthesized_metadata_is_megatrons(ck.path, ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, sharding=DIST_OPT))
 
 
 @pytest.mark.parametrize("src,dst", [
@@ -109,3 +96,38 @@ def test_virtual_pipeline_and_expert_layouts_plan_from_metadata(src, dst):
     fig = plan_figures(plan)
     assert fig.bytes_read == index.nbytes
     assert fig.target_files == dst.world_size
+
+
+@pytest.mark.slow
+def test_deepseek_v3_671b_plans_from_2048_to_1024_ranks_with_uneven_stages():
+    """scripts/plan_at_scale.py's plan: DeepSeek-V3 (61 layers: 4 on the first pipeline rank, 1 on the last, 4 on
+    each of the 14 middle ones) PP16·EP64 -> PP16·EP32; every byte accounted for, the split kept in the target's
+    Megatron-LM args, and the fullest rank's excess over the mean split into the layout's and the planner's share."""
+    from checkpoint.formats.megatron_synth import pipeline_balance, render_balance
+    from scripts.plan_at_scale import DEEPSEEK_V3
+
+    source = ParallelLayout(tp=1, pp=16, dp=128, ep=64, sharding=DIST_OPT, first_pipeline_stage_layers=4,
+                            last_pipeline_stage_layers=1)
+    index = synthetic_index(DEEPSEEK_V3, source)
+    assert (index.meta["first_pipeline_stage_layers"], index.meta["last_pipeline_stage_layers"]) == (4, 1)  # read from the args
+    params = sum(e.numel for e in index.entries if e.key.kind is Kind.PARAM)
+    assert 670.9e9 < params < 671.1e9, params
+    plan, _ = plan_conversion(index, to="megatron", target=LayoutRequest(tp=1, pp=16, dp=64, ep=32))
+    target = ParallelLayout.from_dict(plan.target.index.meta["target_layout"])
+    assert (target.world_size, target.ep, target.first_pipeline_stage_layers,
+            target.last_pipeline_stage_layers) == (1024, 32, 4, 1)
+    args = plan.target.index.meta["common"]["args"]
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, args.world_size,
+            args.expert_model_parallel_size) == (4, 1, 1024, 32)
+    fig = plan_figures(plan)
+    biases = 58 * 256  # the router's expert bias: an fp32 buffer without optimizer state, on each MoE layer
+    assert fig.bytes_read == fig.bytes_written == index.nbytes == (params - biases) * (2 + 3 * 4) + biases * 4
+    assert (fig.source_files, fig.target_files) == (2048, 1024)
+    balance = pipeline_balance(plan, DEEPSEEK_V3, target)
+    assert [len(b.layers) for b, _ in balance] == [4] + [4] * 14 + [1]
+    assert [b.ranks for b, _ in balance] == [64] * 16
+    middle = [b.mean for b, _ in balance[1:-1]]
+    assert max(middle) == min(middle) > 3 * balance[0][0].mean > 3 * balance[-1][0].mean  # dense first layers, head
+    table = render_balance(balance)
+    print("\n" + fig.render() + "\n" + table)
+    assert fig.written_per_rank[2] == max(f for _, f in balance) < 1.01 * max(middle)  # the planner adds < 1%

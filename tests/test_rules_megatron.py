@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from checkpoint.formats.megatron import LocalParam, param_flat_pieces
 from checkpoint.model_shape import ModelShape
 from checkpoint.rules.megatron import (RULES, canonical_tensors, expert_range, flat_run_boxes,
-                                       matrix_shape, stage_layers, tp_local_cols, tp_local_rows)
+                                       matrix_shape, pipeline_stage_layers, tp_local_cols, tp_local_rows)
 
 ARCHS = {
     "gpt": ModelShape(architecture="gpt", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -90,9 +90,9 @@ def test_vocab_padding_depends_on_tp_and_divisor():
 
 
 def test_pipeline_and_virtual_stage_layer_ownership():
-    assert [list(stage_layers(8, 2, 1, p, 0)) for p in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [list(pipeline_stage_layers(8, 2, 1, p, 0)) for p in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # interleaved: virtual stage v on pipeline rank p holds layers v*L/vpp + p*L/(pp*vpp) ...
-    assert [list(stage_layers(8, 2, 2, p, v)) for v in (0, 1) for p in (0, 1)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(pipeline_stage_layers(8, 2, 2, p, v)) for v in (0, 1) for p in (0, 1)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_expert_ownership_global_index():

@@ -46,7 +46,7 @@ from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fie
 from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
                                               overrides, synthesized_args, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
-from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.layout import PIPELINE_STAGE_FIELDS, OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
 from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
                                   role_from_dict, roles, to_megatron)
@@ -57,8 +57,8 @@ from checkpoint.model_shape import ModelShape
 from checkpoint.rules.megatron import (OUTPUT_KEY, RULES, TensorRule, arch_from_config, canonical_name,
                                        canonical_shape, canonical_tensors, expert_range, flat_run_boxes, held_layers,
                                        hf_order, holds_model_tensor, layer_key, per_layer_keys, split_layer_key,
-                                       holds_output_copy, matrix_shape, segments, stacked_shape, stage_layers,
-                                       stored_rules, tp_local_cols, tp_local_rows)
+                                       holds_output_copy, matrix_shape, segments, stacked_shape, pipeline_stage_layer_counts,
+                                       pipeline_stage_layers, stored_rules, tp_local_cols, tp_local_rows)
 
 FORMAT = "megatron"
 LEGACY_FORMAT = "megatron-legacy"  # checkpoint.formats.megatron_legacy's (which imports this module)
@@ -207,8 +207,10 @@ class LocalParam:
 
 
 def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
-                  vp_stage: int, ep_rank: int, experts: bool) -> list[LocalParam]:
-    """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order.
+                  vp_stage: int, ep_rank: int, experts: bool, first_pipeline_stage_layers: int | None = None,
+                  last_pipeline_stage_layers: int | None = None) -> list[LocalParam]:
+    """The params of one model chunk's dense (or expert) grad buffer, in named_parameters order (the chunk's
+    layers as `pipeline_stage_layers` gives them).
 
     Under expert parallelism (ep > 1) the experts have their own buffer (`experts=True`); at ep 1
     Megatron-Core keeps them in the dense buffer, after the router: per expert, fc1 then fc2."""
@@ -226,7 +228,9 @@ def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_r
     first, last = rules.model[0], rules.model[1:]
     if not experts and holds_model_tensor(first, pp, vpp, pp_rank, vp_stage):
         add(first, None, None)
-    for layer in stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage):
+    for layer in pipeline_stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage,
+                                       first_pipeline_stage_layers=first_pipeline_stage_layers,
+                                       last_pipeline_stage_layers=last_pipeline_stage_layers):
         held = [r for r in rules.layer if r in stored and not r.buffer and layer in held_layers(r, arch)]
         for rule in held:
             if rule.scope == "expert":
@@ -525,7 +529,7 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
     dp from the number of rank files (None if unknown)."""
     declared = (common.get("migrate") or {}).get("layout")
     if isinstance(declared, Mapping):
-        return {k: int(declared[k]) for k in ("tp", "pp", "vpp", "ep", "dp")}
+        return {k: int(declared[k]) for k in ("tp", "pp", "vpp", "ep", "dp")} | pipeline_split_of(declared)
     out = tensors.get("output_layer.weight") or tensors["embedding.word_embeddings.weight"]
     tp = len({tuple(c.offsets) for c in out.chunks})
     if common.get("args") is not None:
@@ -550,11 +554,18 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
     ep = len(expert) // (tp * pp) if expert and pp else (1 if dense else None)
     if pp and ranks and len(ranks) % (tp * pp) == 0:
         dp = len(ranks) // (tp * pp)
-    return {"tp": tp, "pp": pp, "vpp": len(gbufs) // len(dtypes) if gbufs else None, "ep": ep, "dp": dp}
+    return {"tp": tp, "pp": pp, "vpp": len(gbufs) // len(dtypes) if gbufs else None, "ep": ep, "dp": dp,
+            **pipeline_split_of({})}
+
+
+def pipeline_split_of(layout: Mapping[str, Any]) -> dict[str, int | None]:
+    """The first/last pipeline stage layer counts a layout dict records (None: even, or not recorded)."""
+    return {k: None if layout.get(k) is None else int(layout[k]) for k in PIPELINE_STAGE_FIELDS}
 
 
 def grad_buffers(arch: ModelShape, param_dtypes: Mapping[str, str], *, tp: int, pp: int, vpp: int, ep: int,
-                 tp_rank: int, pp_rank: int, ep_rank: int, experts: bool, bucket_size: int | None = None
+                 tp_rank: int, pp_rank: int, ep_rank: int, experts: bool, bucket_size: int | None = None,
+                 first_pipeline_stage_layers: int | None = None, last_pipeline_stage_layers: int | None = None
                  ) -> list[tuple[str, list[LocalParam], int | None]]:
     """The grad buffers of one (TP, PP[, EP]) domain in `gbuf_idx` order, as (param dtype, params, bucket size):
     per model chunk, Megatron-Core's DDP keeps one buffer per param dtype, in the order the dtypes first occur
@@ -564,7 +575,8 @@ def grad_buffers(arch: ModelShape, param_dtypes: Mapping[str, str], *, tp: int, 
     for v in range(vpp):
         by_dtype: dict[str, list[LocalParam]] = {}
         for p in domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=v,
-                               ep_rank=ep_rank, experts=experts):
+                               ep_rank=ep_rank, experts=experts, first_pipeline_stage_layers=first_pipeline_stage_layers,
+                               last_pipeline_stage_layers=last_pipeline_stage_layers):
             key = "embedding.word_embeddings.weight" if p.rule.key == OUTPUT_KEY and arch.tied_embeddings \
                 else p.rule.key
             by_dtype.setdefault(param_dtypes.get(key, "float32"), []).append(p)
@@ -587,7 +599,8 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout:
         ep_rank = (d // tp) % ep if experts else 0
         pp_rank = d // (tp * ep) if experts else d // tp
         buffers = grad_buffers(arch, param_dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank,
-                               ep_rank=ep_rank, experts=experts, bucket_size=layout.get("bucket_size"))
+                               ep_rank=ep_rank, experts=experts, bucket_size=layout.get("bucket_size"),
+                               **pipeline_split_of(layout))
         if g >= len(buffers):
             raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} but the rules give {len(buffers)} for "
                                         f"tp_rank={tp_rank} pp_rank={pp_rank} ep_rank={ep_rank} "
@@ -740,7 +753,8 @@ def owner_boxes(rule: TensorRule, arch: ModelShape, layout: ParallelLayout, *, t
     else:
         held = held_layers(rule, arch)
         runs = [range(max(r.start, held.start), min(r.stop, held.stop))
-                for r in (stage_layers(arch.num_layers, pp, vpp, pp_rank, v) for v in range(vpp))]
+                for r in (pipeline_stage_layers(arch.num_layers, pp, vpp, pp_rank, v, **layout.pipeline_split)
+                          for v in range(vpp))]
         leads = [((r.start,), (len(r),)) for r in runs if len(r)]
         if rule.scope == "expert":
             ex = expert_range(arch.num_experts, layout.ep, ep_rank)
@@ -970,7 +984,8 @@ def pretrained_meta(source: CheckpointIndex, arch: ModelShape) -> dict[str, Any]
 
 
 def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                    vpp: int = 1, model_config: Mapping[str, Any] | None = None) -> TargetSpec:
+                    vpp: int = 1, first_pipeline_stage_layers: int | None = None, last_pipeline_stage_layers: int | None = None,
+                    model_config: Mapping[str, Any] | None = None) -> TargetSpec:
     """The source's state as a fully-reshardable torch_dist checkpoint, written by the ranks of the target
     layout: every (tp, pp, ep) shard of each model key and of each optimizer state is split over its
     data-parallel ranks (one box per layer/expert and per TP shard of the embedding/output layer, balanced by
@@ -981,7 +996,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     (`megatron_meta_from`) and the architecture from the checkpoint or `model_config` (`source_arch`); an
     fp32 param stands in for a missing fp32 master. Raises PlanError when the source lacks the
     architecture or the optimizer state, CheckpointFormatError when the layout does not fit the model
-    (e.g. query groups not divisible by tp)."""
+    (e.g. query groups not divisible by tp, layers that do not split over the pipeline stages)."""
     refuse_shared_params(source, "megatron")
     refuse_frozen_params(source, "megatron")
     refuse_unplaced_state(source, target="megatron",
@@ -996,7 +1011,10 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
         m = {**source.meta, **legacy_meta_for_dist(source, arch)}
     else:
         m = {**source.meta, **megatron_meta_from(source, arch)}
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER,
+                            first_pipeline_stage_layers=first_pipeline_stage_layers,
+                            last_pipeline_stage_layers=last_pipeline_stage_layers)
+    check_pipeline_split(arch, layout)
     check_padded_vocab(source, arch, tp)
     state = target_training_state(m, layout)
     it = iteration_dir_name(state["common"].get("iteration") or 0)
@@ -1267,7 +1285,27 @@ def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
         return given if given is not None else int(index.meta.get(name) or 1) if index.format == FORMAT else 1
     return megatron_target(index, tp=pick(opts.layout.tp, "tp"), pp=pick(opts.layout.pp, "pp"), dp=pick(opts.layout.dp, "dp"),
                            ep=pick(opts.layout.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT,)),
-                           model_config=opts.model_config)
+                           **target_pipeline_split(index, opts, (FORMAT,)), model_config=opts.model_config)
+
+
+def target_pipeline_split(index: CheckpointIndex, opts: Any, megatron_formats: tuple[str, ...]) -> dict[str, int | None]:
+    """First/last pipeline stage layers of the target: as given; else the source's when it is a Megatron
+    checkpoint whose pipeline (pp and vpp) is kept; else None (an even split)."""
+    given = {k: getattr(opts.layout, k) for k in PIPELINE_STAGE_FIELDS}
+    if any(v is not None for v in given.values()):
+        return given
+    kept = (opts.layout.pp in (None, int(index.meta.get("pp") or 1))
+            and opts.layout.vpp in (None, int(index.meta.get("vpp") or 1)))
+    return pipeline_split_of(index.meta) if index.format in megatron_formats and kept else given
+
+
+def check_pipeline_split(arch: ModelShape, layout: ParallelLayout) -> None:
+    """Raise PlanError naming every number unless the model's layers split over the target's pipeline stages."""
+    try:
+        pipeline_stage_layer_counts(arch.num_layers, layout.pp, layout.vpp, layout.first_pipeline_stage_layers,
+                                    layout.last_pipeline_stage_layers)
+    except CheckpointFormatError as err:
+        raise PlanError(f"target {layout.describe()}: {err}") from None
 
 
 def target_vpp(index: CheckpointIndex, opts: Any, megatron_formats: tuple[str, ...]) -> int:

@@ -32,12 +32,19 @@ SUMMARY_FIELDS = (
     "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size", "world_size",
     "use_distributed_optimizer", "overlap_grad_reduce", "ddp_bucket_size", "ckpt_format", "params_dtype",
     "micro_batch_size", "global_batch_size",
     "consumed_train_samples", "iteration", "train_iters",
 )
+# The layout's first/last pipeline stage layer counts and Megatron-LM's arguments for them
+PIPELINE_STAGE_ARGS = {"first_pipeline_stage_layers": "decoder_first_pipeline_num_layers",
+              "last_pipeline_stage_layers": "decoder_last_pipeline_num_layers"}
+# Pipeline splits Megatron-LM offers that the rules do not place yet (refused by name when set)
+UNPLACED_PIPELINE_FIELDS = ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                            "account_for_loss_in_pipeline_split")
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size",
              "tensor_model_parallel_size", "pipeline_model_parallel_size")
 
@@ -152,9 +159,15 @@ def vocab_is_padded(args: Any) -> bool:
 
 
 def layout_from_args(args: Any, *, where: str) -> dict[str, Any]:
-    """tp, pp, vpp, ep and dp of the run that saved `args` (dp from data_parallel_size, else the world size
-    over tp * pp * cp); raises CheckpointFormatError naming a missing or inconsistent field."""
+    """tp, pp, vpp, ep, dp and the first/last pipeline stage layers of the run that saved `args` (dp from
+    data_parallel_size, else the world size over tp * pp * cp); raises CheckpointFormatError naming a missing or
+    inconsistent field, or a pipeline split the rules do not place (an explicit layout string, embedding or loss
+    counted as a layer)."""
     a = as_mapping(args) or {}
+    unplaced = {f: a[f] for f in UNPLACED_PIPELINE_FIELDS if a.get(f)}
+    if unplaced:
+        raise CheckpointFormatError(f"{where}: {unplaced}: that pipeline split is not read yet; even splits and "
+                                    f"--decoder-first/last-pipeline-num-layers are")
     try:
         tp, pp = int(a["tensor_model_parallel_size"]), int(a["pipeline_model_parallel_size"])
     except (KeyError, TypeError, ValueError):
@@ -173,8 +186,9 @@ def layout_from_args(args: Any, *, where: str) -> dict[str, Any]:
     if dp is not None and world and int(dp) * tp * pp * cp != int(world):
         raise CheckpointFormatError(f"{where}: data_parallel_size={dp} but world_size={world} / "
                                     f"(tp={tp} * pp={pp} * cp={cp}) = {int(world) / (tp * pp * cp):g}")
+    ends = {field: None if a.get(arg) is None else int(a[arg]) for field, arg in PIPELINE_STAGE_ARGS.items()}
     return {"tp": tp, "pp": pp, "vpp": int(vpp or 1), "ep": int(a.get("expert_model_parallel_size") or 1),
-            "dp": None if dp is None else int(dp)}
+            "dp": None if dp is None else int(dp), **ends}
 
 
 def grad_bucket_size(args: Any, *, dp: int, where: str) -> int | None:
@@ -214,7 +228,9 @@ def target_args(args: Any, arch: ModelShape, layout: ParallelLayout, *, ckpt_for
     a = as_mapping(args) or {}
     a |= {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
           "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
-          "num_layers_per_virtual_pipeline_stage": None, "expert_model_parallel_size": layout.ep,
+          "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
+          **{arg: layout.pipeline_split[field] for field, arg in PIPELINE_STAGE_ARGS.items()},
+          "expert_model_parallel_size": layout.ep,
           "expert_tensor_parallel_size": layout.tp, "data_parallel_size": layout.dp, "world_size": layout.world_size,
           "padded_vocab_size": arch.padded_vocab_size(layout.tp), "use_distributed_optimizer": True,
           "ckpt_format": ckpt_format, "use_dist_ckpt": ckpt_format != "torch",

@@ -39,14 +39,16 @@ from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, T
                                          iteration_dir_name, param_dtypes, saved_model_spec, tracker_text,
                                          domain_params, megatron_meta_from, param_flat_pieces,
                                          resolve_iteration_dir, source_arch, target_optimizer_groups,
+                                         check_pipeline_split, pipeline_split_of, target_pipeline_split,
                                          target_training_state, target_vpp)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name
-from checkpoint.layout import OptimizerSharding, ParallelLayout
+from checkpoint.layout import PIPELINE_STAGE_FIELDS, OptimizerSharding, ParallelLayout
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.model_shape import ModelShape
-from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, canonical_tensors, expert_range,
-                                       stage_layers)
-from checkpoint.formats.megatron_args import args_summary, as_mapping
+from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, canonical_tensors, expert_range, held_layers,
+                                       matrix_shape, pipeline_stage_layers, stored_rules, tp_local_cols,
+                                       tp_local_rows)
+from checkpoint.formats.megatron_args import PIPELINE_STAGE_ARGS, args_summary, as_mapping, layout_from_args
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
 from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.rng import expand_megatron_rng, from_megatron, roles, to_megatron
@@ -78,17 +80,36 @@ def is_legacy_checkpoint(path: str | Path) -> bool:
 # ---------------------------------------------------------------- local tensors of one rank (pure)
 
 def local_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int, ep_rank: int,
-                 vp_stage: int) -> list[tuple[str, LocalParam]]:
+                 vp_stage: int, first_pipeline_stage_layers: int | None = None,
+                 last_pipeline_stage_layers: int | None = None) -> list[tuple[str, LocalParam]]:
     """(state-dict name, LocalParam) of every parameter of one model chunk on one rank, named_parameters order
     (layers numbered within the chunk, experts within the EP rank)."""
     out = []
-    first_layer = stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage).start
+    split = {"first_pipeline_stage_layers": first_pipeline_stage_layers, "last_pipeline_stage_layers": last_pipeline_stage_layers}
+    first_layer = pipeline_stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage, **split).start
     experts = expert_range(arch.num_experts, ep, ep_rank) if arch.num_experts else range(0)
     for p in domain_params(arch, tp=tp, pp=pp, vpp=vpp, ep=1, tp_rank=tp_rank, pp_rank=pp_rank, vp_stage=vp_stage,
-                           ep_rank=0, experts=False):
+                           ep_rank=0, experts=False, **split):
         if p.rule.scope == "expert" and p.expert not in experts:
             continue
         out.append((_state_name(p, first_layer, experts.start if p.rule.scope == "expert" else 0), p))
+    return out
+
+
+def local_buffers(arch: ModelShape, *, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int, vp_stage: int,
+                  first_pipeline_stage_layers: int | None = None,
+                  last_pipeline_stage_layers: int | None = None) -> list[tuple[str, LocalParam]]:
+    """(state-dict name, LocalParam) of every persistent buffer Megatron-Core saves with one model chunk (the
+    router's expert bias of each MoE layer): model tensors without grad or optimizer state."""
+    layers = pipeline_stage_layers(arch.num_layers, pp, vpp, pp_rank, vp_stage,
+                                   first_pipeline_stage_layers=first_pipeline_stage_layers,
+                                   last_pipeline_stage_layers=last_pipeline_stage_layers)
+    out = []
+    for rule in (r for r in stored_rules(arch) if r.buffer):
+        for layer in (i for i in layers if i in held_layers(rule, arch)):
+            lp = LocalParam(rule=rule, layer=layer, expert=None, vector=len(matrix_shape(rule, arch)) == 1,
+                            row_runs=tp_local_rows(rule, arch, tp, tp_rank), cols=tp_local_cols(rule, arch, tp, tp_rank))
+            out.append((_state_name(lp, layers.start, 0), lp))
     return out
 
 
@@ -138,7 +159,8 @@ def _layout_from(args: Any, dirs: Mapping[str, Path], state: Mapping[str, Any], 
     if missing or extra:
         raise CheckpointFormatError(f"{where.parent.parent}: rank directories for tp={tp} pp={pp} ep={ep}: missing "
                                     f"{missing or 'none'}, unexpected {extra or 'none'}")
-    return {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp, "dp": None if dp is None else int(dp)}
+    split = {k: v for k, v in layout_from_args(a, where=str(where)).items() if k in PIPELINE_STAGE_FIELDS}
+    return {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp, "dp": None if dp is None else int(dp), **split}
 
 
 def _load(path: Path, trust: bool) -> Any:
@@ -167,9 +189,6 @@ def read_megatron_legacy(path: str | Path, *, trust_checkpoint: bool = False, ex
             raise LayoutMismatchError(f"{root}: declared {name}={want} but the checkpoint was saved at "
                                       f"{name}={layout[name]}")
     arch, overridden = arch_of_common(head, first, model_config)
-    if arch.is_mla:
-        raise CheckpointFormatError(f"{first}: a {arch.architecture} model (multi-latent attention) in the legacy "
-                                    f"format (--ckpt-format torch) is not read yet; its torch_dist checkpoints are")
     arch = _untied(arch, str(first))
     tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
     acc: dict[TensorKey, tuple[str, list[ChunkRef]]] = {}
@@ -275,13 +294,16 @@ def _index_model(arch: ModelShape, state: Mapping[str, Any], layout: Mapping[str
         sd = state.get(mkey)
         if not isinstance(sd, Mapping):
             raise CheckpointFormatError(f"{where}: no {mkey!r} state dict (keys: {sorted(state)})")
-        params = local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e, vp_stage=v)
-        known = {name for name, _ in params}
+        params = local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e, vp_stage=v,
+                              **pipeline_split_of(layout))
+        buffers = local_buffers(arch, tp=tp, pp=pp, vpp=vpp, tp_rank=t, pp_rank=p, vp_stage=v,
+                                **pipeline_split_of(layout))
+        known = {name for name, _ in params + buffers}
         unknown = sorted(k for k, val in sd.items() if k not in known and not k.endswith("._extra_state"))
         if unknown:
             raise CheckpointFormatError(f"{where}: {mkey} holds tensors the {arch.architecture} rules do not explain "
                                         f"for tp_rank={t} pp_rank={p} ep_rank={e} vp_stage={v}: {unknown}")
-        for name, lp in params:
+        for name, lp in params + buffers:
             tensor = sd.get(name)
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointFormatError(f"{where}: {mkey}.{name} missing (tp_rank={t} pp_rank={p} ep_rank={e})")
@@ -318,7 +340,7 @@ def _index_distrib_optim(arch: ModelShape, raw: Any, layout: Mapping[str, int], 
                                         f"supported")
         experts = moe and len(states) > 1 and chain == 1
         buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e,
-                               experts=experts)
+                               experts=experts, **pipeline_split_of(layout))
         for g, (param_dtype, params, _) in enumerate(buffers):
             if g not in st or not isinstance(st[g], Mapping) or len(st[g]) != 1:
                 raise CheckpointFormatError(f"{where}: optimizer {chain} has no single-dtype grad buffer {g} "
@@ -404,13 +426,14 @@ def legacy_args(arch: ModelShape, layout: ParallelLayout, base: Mapping[str, Any
           "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_query_groups,
           "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
           "swiglu": arch.architecture in SWIGLU_ARCHITECTURES, "vocab_size": arch.vocab_size,
-          "add_qkv_bias": arch.qkv_bias, "qk_layernorm": arch.qk_norm,
+          "add_qkv_bias": arch.qkv_bias, "qk_layernorm": arch.qk_norm or arch.is_mla,
           "moe_ffn_hidden_size": arch.expert_ffn_hidden_size if arch.num_experts else None,
           "padded_vocab_size": arch.padded_vocab_size(layout.tp), "num_experts": arch.num_experts or None,
           "make_vocab_size_divisible_by": arch.make_vocab_size_divisible_by,
           "untie_embeddings_and_output_weights": not arch.tied_embeddings,
           "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
           "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+          **{arg: layout.pipeline_split[field] for field, arg in PIPELINE_STAGE_ARGS.items()},
           "expert_model_parallel_size": layout.ep, "data_parallel_size": layout.dp, "world_size": layout.world_size,
           "use_distributed_optimizer": True, "ckpt_format": "torch", "use_dist_ckpt": False, "iteration": iteration,
           "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
@@ -419,7 +442,9 @@ def legacy_args(arch: ModelShape, layout: ParallelLayout, base: Mapping[str, Any
 
 
 def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                           vpp: int = 1, model_config: Mapping[str, Any] | None = None) -> TargetSpec:
+                           vpp: int = 1, first_pipeline_stage_layers: int | None = None,
+                           last_pipeline_stage_layers: int | None = None,
+                           model_config: Mapping[str, Any] | None = None) -> TargetSpec:
     """The source's state as a legacy checkpoint at (tp, pp, vpp, ep, dp) with the DistributedOptimizer: per
     (tp, pp, ep) rank dir a `model_optim_rng.pt` (local weights of every chunk, optimizer param groups, args,
     RNG, ours) and a `distrib_optim.pt` (flat fp32 master / exp_avg / exp_avg_sq per grad buffer; the dense
@@ -431,7 +456,10 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                           why="distrib_optim.pt holds Adam's param, exp_avg and exp_avg_sq per grad buffer")
     arch = _untied(source_arch(source, model_config), f"source {source.root}")
     m = source.meta if source.format in (FORMAT, DIST_FORMAT) else {**source.meta, **megatron_meta_from(source, arch)}
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER,
+                            first_pipeline_stage_layers=first_pipeline_stage_layers,
+                            last_pipeline_stage_layers=last_pipeline_stage_layers)
+    check_pipeline_split(arch, layout)
     moe = arch.num_experts > 0
     chained = moe and ep > 1
     if ep > 1 and not moe:
@@ -459,8 +487,11 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                 for v in range(vpp):
                     mkey = "model" if vpp == 1 else f"model{v}"
                     names = []
-                    for name, lp in local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
-                                                 ep_rank=e, vp_stage=v):
+                    chunk = local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e,
+                                         vp_stage=v, **layout.pipeline_split)
+                    chunk += local_buffers(arch, tp=tp, pp=pp, vpp=vpp, tp_rank=t, pp_rank=p, vp_stage=v,
+                                           **layout.pipeline_split)
+                    for name, lp in chunk:
                         model_bufs.append(TargetBuffer(key=(mkey, name), shape=lp.shape, dtype=dtypes[lp.rule.key]))
                         names.append(name)
                         for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{MODEL_FILE}", (mkey, name)):
@@ -478,7 +509,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                         continue
                     per_gbuf = []
                     buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
-                                           ep_rank=e, experts=experts)
+                                           ep_rank=e, experts=experts, **layout.pipeline_split)
                     for g, (param_dtype, params, _) in enumerate(buffers):
                         placed, numel = bucket_offsets(params)
                         path = (chain,) if chained else ()
@@ -501,7 +532,7 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
     files.append(TargetFile(path=TRACKER_FILE, role="tracker", rank=None))
     meta = {"arch": arch.tensor_fields(), "tp": tp, "pp": pp, "dp": dp,
-            "ep": ep, "vpp": vpp, "chained": chained, "ranks": rank_meta,
+            "ep": ep, "vpp": vpp, **layout.pipeline_split, "chained": chained, "ranks": rank_meta,
             "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
             "args": legacy_args(arch, layout, as_mapping(m["common"].get("args")) or m.get("args"),
                                 iteration=iteration, dtype=dtype),
@@ -554,9 +585,9 @@ def _model_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor], me
     if grid:
         state["rng_state"] = [to_megatron(st) for st in grid[(rank["pp_rank"], rank["tp_rank"])]]
     state["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0)
-    state["migrate"] = {**dict(common.get("migrate") or {}), "layout": {"tp": meta["tp"], "pp": meta["pp"],
-                                                                      "vpp": meta["vpp"], "ep": meta["ep"],
-                                                                      "dp": meta["dp"]}}
+    layout = {k: meta[k] for k in ("tp", "pp", "vpp", "ep", "dp")} | {k: v for k, v in pipeline_split_of(meta).items()
+                                                                     if v is not None}
+    state["migrate"] = {**dict(common.get("migrate") or {}), "layout": layout}
     return state
 
 
@@ -592,6 +623,7 @@ def _target(index: CheckpointIndex, opts: Any) -> TargetSpec:
     asked = opts.layout
     return megatron_legacy_target(index, tp=pick(asked.tp, "tp"), pp=pick(asked.pp, "pp"), dp=pick(asked.dp, "dp"),
                                   ep=pick(asked.ep, "ep"), vpp=target_vpp(index, opts, (FORMAT, DIST_FORMAT)),
+                                  **target_pipeline_split(index, opts, (FORMAT, DIST_FORMAT)),
                                   model_config=opts.model_config)
 
 

@@ -602,13 +602,49 @@ def tp_local_cols(rule: TensorRule, arch: ModelShape, tp: int, tp_rank: int) -> 
     return (tp_rank * (cols // tp), cols // tp)
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, vp_stage: int) -> range:
-    """Global layers of virtual stage `vp_stage` on pipeline rank `pp_rank` (Megatron's even split)."""
-    if num_layers % (pp * vpp):
-        raise CheckpointFormatError(f"num_layers({num_layers}) is not divisible by pp({pp}) * vpp({vpp})")
-    per = num_layers // (pp * vpp)
-    start = vp_stage * (num_layers // vpp) + pp_rank * per
-    return range(start, start + per)
+def pipeline_stage_layer_counts(num_layers: int, pp: int, vpp: int, first_pipeline_stage_layers: int | None = None,
+                       last_pipeline_stage_layers: int | None = None) -> tuple[int, ...]:
+    """Layers in each model chunk of pipeline ranks 0..pp-1, as Megatron-Core splits them: evenly, or with
+    `first_pipeline_stage_layers` / `last_pipeline_stage_layers` on the first / last pipeline rank (Megatron-LM's
+    --decoder-first/last-pipeline-num-layers) and the rest evenly over the middle ranks; each rank's layers
+    split evenly over its `vpp` chunks. Raises CheckpointFormatError with every number when they do not fit
+    (the checks of Megatron-Core's TransformerConfig)."""
+    split = f"num_layers({num_layers}) over pp({pp}) x vpp({vpp})"
+    if first_pipeline_stage_layers is None and last_pipeline_stage_layers is None:
+        if num_layers % (pp * vpp):
+            raise CheckpointFormatError(f"num_layers({num_layers}) is not divisible by pp({pp}) * vpp({vpp}); an "
+                                        f"uneven split needs first/last pipeline stage layer counts")
+        return (num_layers // (pp * vpp),) * pp
+    split += (f" with first_pipeline_stage_layers({first_pipeline_stage_layers}), "
+              f"last_pipeline_stage_layers({last_pipeline_stage_layers})")
+    if pp < 2:
+        raise CheckpointFormatError(f"{split}: first/last pipeline stage layer counts need pp > 1")
+    ends = [n for n in (first_pipeline_stage_layers, last_pipeline_stage_layers) if n is not None]
+    if any(n < 1 or n % vpp for n in ends):
+        raise CheckpointFormatError(f"{split}: each given stage count must be >= 1 and divisible by vpp({vpp})")
+    middle_ranks, middle_layers = pp - len(ends), num_layers - sum(ends)
+    if middle_layers < 0 or (middle_ranks == 0) != (middle_layers == 0) or \
+            middle_ranks and middle_layers % (middle_ranks * vpp):
+        raise CheckpointFormatError(f"{split}: the {middle_layers} remaining layer(s) do not split evenly over "
+                                    f"{middle_ranks} middle pipeline rank(s) x vpp({vpp})")
+    if vpp > 1 and middle_ranks == 0:  # Megatron-Core's layer offset divides by the middle stage count
+        raise CheckpointFormatError(f"{split}: virtual stages with both ends given need a middle pipeline rank")
+    middle = middle_layers // (middle_ranks * vpp) if middle_ranks else 0
+    counts = [middle] * pp
+    if first_pipeline_stage_layers is not None:
+        counts[0] = first_pipeline_stage_layers // vpp
+    if last_pipeline_stage_layers is not None:
+        counts[-1] = last_pipeline_stage_layers // vpp
+    return tuple(counts)
+
+
+def pipeline_stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, vp_stage: int, *,
+                 first_pipeline_stage_layers: int | None = None, last_pipeline_stage_layers: int | None = None) -> range:
+    """Global layers of virtual stage `vp_stage` on pipeline rank `pp_rank` (Megatron-Core's
+    get_transformer_layer_offset and get_num_layers_to_build; see `pipeline_stage_layer_counts`)."""
+    counts = pipeline_stage_layer_counts(num_layers, pp, vpp, first_pipeline_stage_layers, last_pipeline_stage_layers)
+    start = vp_stage * sum(counts) + sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
 
 
 def holds_model_tensor(rule: TensorRule, pp: int, vpp: int, pp_rank: int, vp_stage: int) -> bool:

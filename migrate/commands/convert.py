@@ -59,6 +59,12 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.option("--ep", type=POSITIVE, default=None, help="target expert-parallel size (default: the source's)")
 @click.option("--vpp", type=POSITIVE, default=None,
               help="target virtual pipeline stages per rank (Megatron; default: the source's when pp is kept, else 1)")
+@click.option("--first-pipeline-stage-layers", type=POSITIVE, default=None,
+              help="decoder layers on the first pipeline rank, the rest even over the middle ranks (Megatron's "
+                   "--decoder-first-pipeline-num-layers; default: the source's when pp and vpp are kept, else even)")
+@click.option("--last-pipeline-stage-layers", type=POSITIVE, default=None,
+              help="decoder layers on the last pipeline rank (Megatron's --decoder-last-pipeline-num-layers; "
+                   "default as --first-pipeline-stage-layers)")
 @click.option("--dry-run", is_flag=True, help="print the plan (files, bytes per target rank) without reading data")
 @click.option("--per-rank", is_flag=True, help="list every target rank and its files (default: summarized beyond 16 ranks)")
 @click.option("--verify", is_flag=True, help="re-read the output and compare every tensor with the source")
@@ -95,7 +101,8 @@ def _shard_size(text: str | None) -> int | str | None:
               help="finish an unfinished conversion into DST (one that crashed), keeping the files it completed")
 @click.option("--overwrite", is_flag=True, help="replace an earlier conversion's output in DST (finished or not)")
 def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | None, tp: int | None, pp: int | None,
-            ep: int | None, vpp: int | None, max_shard_size: str | None, dcp_layout: str | None,
+            ep: int | None, vpp: int | None, first_pipeline_stage_layers: int | None, last_pipeline_stage_layers: int | None,
+            max_shard_size: str | None, dcp_layout: str | None,
             param_names: str | None,
             dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
             model_config: Path | None, strict: str, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
@@ -119,18 +126,23 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
         phases = LiveStatus("convert", dest=dst)
         try:
             outcome = convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep, vpp=vpp,
-                                                                     zero_stage=zero_stage),
+                                                                     zero_stage=zero_stage,
+                                                                     first_pipeline_stage_layers=first_pipeline_stage_layers,
+                                                                     last_pipeline_stage_layers=last_pipeline_stage_layers),
                               strict=Strictness(strict), arch=arch, model_config=config,
                               max_shard_size=_shard_size(max_shard_size), dcp_layout=dcp_layout,
                               param_names=param_names, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
                               follow_symlinks=follow_symlinks, existing=existing, phase=phases)
         except NodeLostError as exc:  # not bad input: the cluster lost what it was writing
+            phases.close(last="")  # the error is the last line
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_FAILED)
         except CheckpointError as exc:
+            phases.close(last="")
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except KeyboardInterrupt:
+            phases.close(last="")
             click.echo(f"interrupted: {dst} holds an unfinished conversion; rerun the same command with --resume "
                        f"to finish it, or with --overwrite to start over", err=True)
             sys.exit(130)

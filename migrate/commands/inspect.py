@@ -13,6 +13,7 @@ import click
 from checkpoint.api import read_index
 from checkpoint.errors import CheckpointError
 from checkpoint.index import CheckpointIndex, Kind
+from checkpoint.layout import PIPELINE_STAGE_FIELDS
 
 EXIT_BAD_INPUT = 2
 
@@ -26,7 +27,8 @@ def describe(index: CheckpointIndex) -> dict[str, Any]:
         "path": index.root,
         "format": index.format,
         "layout": {"dp": meta.get("dp"), "zero_stage": meta.get("stage"), "tp": meta.get("tp") or 1,
-                   "pp": meta.get("pp") or 1, "vpp": meta.get("vpp") or 1, "ep": meta.get("ep") or 1},
+                   "pp": meta.get("pp") or 1, "vpp": meta.get("vpp") or 1, "ep": meta.get("ep") or 1,
+                   **{k: meta[k] for k in PIPELINE_STAGE_FIELDS if meta.get(k) is not None}},
         "tag": meta.get("tag"),
         "tensors": len(index.entries),
         "params": kinds.get(str(Kind.PARAM), 0) or kinds.get(str(Kind.MASTER), 0),
@@ -66,7 +68,7 @@ def render(info: dict[str, Any]) -> str:
         f"{info['path']}",
         f"  format      {info['format']} (tag {info['tag']})",
         f"  layout      dp={lay['dp']} zero_stage={lay['zero_stage']} tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} "
-        f"ep={lay['ep']}",
+        f"ep={lay['ep']}" + "".join(f" {k}={lay[k]}" for k in PIPELINE_STAGE_FIELDS if k in lay),
         f"  tensors     {info['tensors']} ({info['params']} params) in {info['files']} files, "
         f"{info['bytes'] / 2**20:.2f} MiB",
         f"  dtypes      {', '.join(info['dtypes'])} (model {info['model_dtype']})",

@@ -29,7 +29,7 @@ from checkpoint.model_shape import ModelShape
 from migrate.workload.data import SamplerState, TokenDataset, rank_micro_batches
 from migrate.workload.loop import StepOutcome, train_loop
 from migrate.workload.megatron import dist_format, legacy_format
-from migrate.workload.megatron.state import rng_fingerprint, seed_host_rng
+from migrate.workload.megatron.state import allow_empty_optimizers, rng_fingerprint, seed_host_rng
 from migrate.workload.metrics import RankResult
 from migrate.workload.run_spec import RunSpec, lr_at
 from migrate.workload.train_state import StepTrace
@@ -202,6 +202,7 @@ def _train(ctx: Any, spec: RunSpec) -> RankResult:
             optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.beta1, adam_beta2=opt.beta2,
             adam_eps=opt.eps, clip_grad=opt.clip_grad, bf16=train.precision == "bf16",
             params_dtype=config.params_dtype, use_distributed_optimizer=spec.distributed_optimizer), chunks)
+        allow_empty_optimizers(optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         sampler = SamplerState(seed=train.seed, dataset_size=train.dataset_size,
                                global_batch_size=train.global_batch_size)

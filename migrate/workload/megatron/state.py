@@ -134,6 +134,34 @@ def prime_adam_state(optimizer: Any) -> None:
                     inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
 
+def allow_empty_optimizers(optimizer: Any) -> None:
+    """Let a DistributedOptimizer that holds no parameter on this rank give its state dict.
+
+    A pipeline stage without MoE layers (DeepSeek-V3's dense first layers) still gets an expert optimizer under
+    expert parallelism, with an empty param group. Without Apex/TE, 0.16.1's `state_dict()` asserts that the
+    inner torch Adam's state holds exactly one `step`, and an empty one holds none (AssertionError on save and
+    load). Such an optimizer's `state_dict` gives its param groups without `params` and with `step` 0 (no
+    parameter reads it; its `load_state_dict` needs a number). With Apex/TE nothing is changed."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None or any(group["params"] for group in inner.param_groups):
+            continue
+
+        def state_dict(inner: Any = inner, sub: Any = sub) -> dict[str, Any]:
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0}
+                      for g in inner.state_dict()["param_groups"]]
+            out: dict[str, Any] = {"optimizer": {"param_groups": groups}}
+            if sub.grad_scaler:
+                out["grad_scaler"] = sub.grad_scaler.state_dict()
+            return out
+
+        sub.state_dict = state_dict
+
+
 def saved_adam_steps(optimizer_state: Any) -> set[int]:
     """Every `step` stored in the param_groups of a loaded (possibly chained) optimizer state."""
     found: set[int] = set()
