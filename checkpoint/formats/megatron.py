@@ -205,6 +205,13 @@ class LocalParam:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @classmethod
+    def of(cls, rule: TensorRule, arch: ModelShape, *, tp: int, tp_rank: int, layer: int | None,
+           expert: int | None) -> LocalParam:
+        """The TP rank's piece of `rule`'s tensor at `layer` (and `expert`)."""
+        return cls(rule=rule, layer=layer, expert=expert, vector=len(matrix_shape(rule, arch)) == 1,
+                   row_runs=tp_local_rows(rule, arch, tp, tp_rank), cols=tp_local_cols(rule, arch, tp, tp_rank))
+
 
 def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_rank: int, pp_rank: int,
                   vp_stage: int, ep_rank: int, experts: bool, first_pipeline_stage_layers: int | None = None,
@@ -220,10 +227,7 @@ def domain_params(arch: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, tp_r
     out: list[LocalParam] = []
 
     def add(rule: TensorRule, layer: int | None, expert: int | None) -> None:
-        vector = len(matrix_shape(rule, arch)) == 1
-        out.append(LocalParam(rule=rule, layer=layer, expert=expert, vector=vector,
-                              row_runs=tp_local_rows(rule, arch, tp, tp_rank),
-                              cols=tp_local_cols(rule, arch, tp, tp_rank)))
+        out.append(LocalParam.of(rule, arch, tp=tp, tp_rank=tp_rank, layer=layer, expert=expert))
 
     first, last = rules.model[0], rules.model[1:]
     if not experts and holds_model_tensor(first, pp, vpp, pp_rank, vp_stage):
@@ -555,7 +559,7 @@ def _infer_layout(tensors: Mapping[str, Any], storage: Mapping[Any, Any], common
     if pp and ranks and len(ranks) % (tp * pp) == 0:
         dp = len(ranks) // (tp * pp)
     return {"tp": tp, "pp": pp, "vpp": len(gbufs) // len(dtypes) if gbufs else None, "ep": ep, "dp": dp,
-            **pipeline_split_of({})}
+            **dict.fromkeys(PIPELINE_STAGE_FIELDS)}
 
 
 def pipeline_split_of(layout: Mapping[str, Any]) -> dict[str, int | None]:

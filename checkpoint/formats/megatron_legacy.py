@@ -46,8 +46,7 @@ from checkpoint.layout import PIPELINE_STAGE_FIELDS, OptimizerSharding, Parallel
 from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
 from checkpoint.model_shape import ModelShape
 from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, canonical_tensors, expert_range, held_layers,
-                                       matrix_shape, pipeline_stage_layers, stored_rules, tp_local_cols,
-                                       tp_local_rows)
+                                       pipeline_stage_layers, stored_rules)
 from checkpoint.formats.megatron_args import PIPELINE_STAGE_ARGS, args_summary, as_mapping, layout_from_args
 from checkpoint.formats.megatron_paths import MODEL_FILE, OPTIM_FILE, RANK_DIR_RE, rank_dir
 from checkpoint.state.optimizer_state import refuse_unplaced_state
@@ -107,8 +106,7 @@ def local_buffers(arch: ModelShape, *, tp: int, pp: int, vpp: int, tp_rank: int,
     out = []
     for rule in (r for r in stored_rules(arch) if r.buffer):
         for layer in (i for i in layers if i in held_layers(rule, arch)):
-            lp = LocalParam(rule=rule, layer=layer, expert=None, vector=len(matrix_shape(rule, arch)) == 1,
-                            row_runs=tp_local_rows(rule, arch, tp, tp_rank), cols=tp_local_cols(rule, arch, tp, tp_rank))
+            lp = LocalParam.of(rule, arch, tp=tp, tp_rank=tp_rank, layer=layer, expert=None)
             out.append((_state_name(lp, layers.start, 0), lp))
     return out
 

@@ -31,7 +31,7 @@ from checkpoint.index import CheckpointIndex, dtype_size
 from checkpoint.layout import ParallelLayout
 from checkpoint.plan import ConversionPlan, rank_summaries
 from checkpoint.model_shape import ModelShape
-from checkpoint.rules.megatron import layer_key, per_layer_keys, stacked_shape, stored_rules
+from checkpoint.rules.megatron import layer_key, per_layer_keys, pipeline_stage_layers, stacked_shape, stored_rules
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -208,8 +208,6 @@ def pipeline_balance(plan: ConversionPlan, arch: ModelShape,
                      layout: ParallelLayout) -> list[tuple[PipelineStageBalance, int]]:
     """Per pipeline stage of the target `layout`: its PipelineStageBalance and the bytes its fullest rank writes
     (pure)."""
-    from checkpoint.rules.megatron import pipeline_stage_layers
-
     by_pp_rank: dict[int, list[int]] = defaultdict(list)
     for summary in rank_summaries(plan):
         if summary.rank is not None:
