@@ -18,6 +18,7 @@ from checkpoint.destination import Existing, refuse_unfinished
 from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.execute import ExecutionResult, check_destination, execute
 from checkpoint.pools import MapFn
+from checkpoint.storage import Storage
 from checkpoint.write import Writer
 from checkpoint.formats import FORMATS as FORMAT_TABLE
 from checkpoint.formats import FORMAT_ALIASES, CheckpointFormat, ReadOptions, TargetOptions
@@ -159,13 +160,14 @@ def convert(src: str | Path, dst: str | Path, *, to: str, target: LayoutRequest 
             max_shard_size: int | str | None = None, dcp_layout: str | None = None, param_names: str | None = None,
             dry_run: bool = False, map_fn: MapFn | None = None,
             trust_checkpoint: bool = False, follow_symlinks: bool = False, existing: Existing = Existing.REFUSE,
-            phase: Callable[..., None] | None = None) -> ConversionOutcome:
+            phase: Callable[..., None] | None = None, storage: Storage | None = None) -> ConversionOutcome:
     """Read `src` (checking the layout it declares against `expect`), plan for format `to` at the `target`
     layout, hold the plan to `strict` (PlanError before anything is written when it refuses), and (unless
     dry_run) write `dst` atomically with a manifest.
 
     `dst` may neither be the source nor lie inside it (nor contain it); `existing` says what to do with an
-    earlier conversion's output there (refuse, resume an unfinished one, overwrite). `phase(text, files=())`
+    earlier conversion's output there (refuse, resume an unfinished one, overwrite); `storage` where it lies
+    (default: one folder every worker sees; see `checkpoint.storage`). `phase(text, files=())`
     is told each phase as it begins (reading the source, planning, writing: with the relative paths of the
     files to be written), for a caller that shows progress."""
     say = phase or (lambda *_, **__: None)
@@ -178,10 +180,11 @@ def convert(src: str | Path, dst: str | Path, *, to: str, target: LayoutRequest 
     plan, writer = plan_conversion(index, to=to, target=target, arch=arch, model_config=model_config,
                                    max_shard_size=max_shard_size, dcp_layout=dcp_layout, param_names=param_names)
     differences = check(plan, strict)
-    check_destination(Path(dst), existing)
+    check_destination(Path(dst), existing, storage)
     if dry_run:
         return ConversionOutcome(plan=plan, result=None, differences=differences)
     say(f"writing {len(plan.target.files)} files to {dst}", files=[f.path for f in plan.target.files])
     return ConversionOutcome(plan=plan, result=execute(plan, writer, dst, map_fn=map_fn,
-                                                       trust_checkpoint=trust_checkpoint, existing=existing),
+                                                       trust_checkpoint=trust_checkpoint, existing=existing,
+                                                       storage=storage),
                              differences=differences)

@@ -32,6 +32,7 @@ from typing import Any
 from checkpoint.errors import CheckpointFormatError, DestinationError, OtherPlanError
 
 MANIFEST = "manifest.json"
+JOB_MANIFEST = "manifest.nodes.json"  # node-local storage: the driver's list of every node's files, written last
 INCOMPLETE = ".migrate-incomplete"  # the marker folder: plan.json and files/<record>.json
 _PLAN = "plan.json"
 _FILES = "files"
@@ -64,7 +65,7 @@ def state_of(dest: Path) -> State:
         return State.EMPTY
     if any(n == INCOMPLETE or n.startswith(f"{INCOMPLETE}.tmp-") for n in names):
         return State.UNFINISHED
-    return State.FINISHED if MANIFEST in names else State.FOREIGN
+    return State.FINISHED if MANIFEST in names or JOB_MANIFEST in names else State.FOREIGN
 
 
 def fsync_dir(path: Path) -> None:
@@ -118,8 +119,9 @@ def check_state(dest: Path, existing: Existing) -> State:
 
 
 def open_destination(dest: Path, plan_id: str, existing: Existing, *, plan_files: frozenset[str],
-                     source: str) -> dict[str, dict[str, Any]]:
-    """Make `dest` ready for the plan `plan_id` and write its marker; return {path: record} of the plan's
+                     source: str, owner: str = "") -> dict[str, dict[str, Any]]:
+    """Make `dest` ready for the plan `plan_id` and write its marker (naming `owner`, the node that writes
+    there, when given: `marker_owner` reads it back); return {path: record} of the plan's
     files a resumed conversion keeps (empty unless RESUME). Raises DestinationError (`check_state`), or when
     RESUME finds an unfinished conversion of another plan."""
     state = check_state(dest, existing)
@@ -145,7 +147,8 @@ def open_destination(dest: Path, plan_id: str, existing: Existing, *, plan_files
                 child.unlink()
     if state is State.FINISHED or (state is State.UNFINISHED and existing is Existing.OVERWRITE):
         _clear(dest)
-    plan = {"plan": plan_id, "pid": os.getpid(), "source": source, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    plan = {"plan": plan_id, "pid": os.getpid(), "source": source, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "owner": owner}
     try:
         if kept:  # the same plan resumed: its journal stays
             _write_json(dest / INCOMPLETE / _PLAN, plan)
@@ -160,6 +163,11 @@ def open_destination(dest: Path, plan_id: str, existing: Existing, *, plan_files
     except OSError as err:
         raise DestinationError(f"cannot create destination {dest}: {err}") from err
     return kept
+
+
+def marker_owner(dest: Path) -> str:
+    """The owner named in `dest`'s in-progress marker ("" when none is named or there is no marker)."""
+    return str(_started(dest).get("owner", ""))
 
 
 def _completed(dest: Path, plan_files: frozenset[str]) -> dict[str, dict[str, Any]]:

@@ -1,6 +1,7 @@
 """The streaming executor: runs a ConversionPlan, writing each target file once, atomically.
 
-Call sequence (coordinator = the caller of `execute`):
+Call sequence (coordinator = the caller of `execute`; what touches the destination goes through its
+`checkpoint.storage.Storage`: one shared folder by default, or each node's own disk):
 1. coordinator: check the destination is absent or empty, create it;
 2. workers (by default two threads of this process for in-place/streaming targets, else inline; a
    local process pool, or any `map_fn` such as Ray tasks): for each target file allocate its
@@ -26,20 +27,19 @@ finishes. The source is only ever opened read-only.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.destination import CommitFile, Existing, check_state, close_destination, open_destination
-from checkpoint.errors import CheckpointError, DestinationError
+from checkpoint.destination import CommitFile, Existing
+from checkpoint.errors import CheckpointError
 from checkpoint.io.checksum import crc32
-from checkpoint.manifest import write_manifest
 from checkpoint.plan import ConversionPlan, WriteMode
 from checkpoint.pools import IO_THREADS, MapFn, in_threads
-from checkpoint.write import FileRecord, Writer, remove_temps, write_atomic, write_target_file
+from checkpoint.storage import ManifestSource, SharedStorage, Storage
+from checkpoint.write import FileRecord, Writer, write_target_file
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,55 +55,39 @@ class ExecutionResult:
 
 
 def execute(plan: ConversionPlan, writer: Writer, dest: str | Path, *, map_fn: MapFn | None = None,
-            trust_checkpoint: bool = False, existing: Existing = Existing.REFUSE) -> ExecutionResult:
+            trust_checkpoint: bool = False, existing: Existing = Existing.REFUSE,
+            storage: Storage | None = None) -> ExecutionResult:
     """Run `plan` into `dest` (absent or empty; `existing` says what to do with an earlier conversion's
-    output); the manifest, the commit files and the removal of the marker, last, commit the checkpoint."""
+    output) on `storage` (default: one folder every worker sees, `SharedStorage`); the manifest, the commit
+    files and the removal of the marker, last, commit the checkpoint."""
     dest = Path(dest)
-    created = not dest.exists()
+    storage = storage or SharedStorage()
     start = time.perf_counter()
     commit = frozenset(plan.target.commit)
     plan_files = frozenset(f.path for f in plan.target.files if f.path not in commit)
-    kept = _open(dest, plan, writer, existing, plan_files, created)
+    kept = storage.open(dest, plan_id(plan, writer), existing, plan_files=plan_files, source=plan.source.root)
     try:
-        records = _write_files(plan, writer, dest, plan_files - kept.keys(), kept, map_fn, trust_checkpoint)
-        records, commit_files = _describe(plan, writer, dest, records, commit)
-        write_manifest(dest, records, target_format=plan.target.index.format, source_root=plan.source.root,
-                       source_format=plan.source.format)
-        for c in commit_files:  # what a loader starts from, once everything it points at is on disk
-            write_atomic(dest / c.path, c.data, checksum=False)
-        close_destination(dest)
+        records = _write_files(plan, writer, dest, storage, plan_files - kept.keys(), kept, map_fn, trust_checkpoint)
+        records, commit_files = _describe(plan, writer, dest, storage, records, commit)
+        storage.commit(dest, records, commit_files, ManifestSource(target_format=plan.target.index.format,
+                                                                   source_root=plan.source.root,
+                                                                   source_format=plan.source.format))
     except KeyboardInterrupt:  # as a kill would: the marker stays, `Existing.RESUME` finishes the conversion
         raise
     except BaseException:
-        _remove_partial(dest, created)
+        storage.remove_partial(dest)
         raise
     return ExecutionResult(destination=str(dest), files=tuple(records), seconds=time.perf_counter() - start,
                            resumed=len(kept))
 
 
-def check_destination(dest: Path, existing: Existing = Existing.REFUSE) -> None:
+def check_destination(dest: Path, existing: Existing = Existing.REFUSE, storage: Storage | None = None) -> None:
     """The destination must be absent or empty, or (RESUME/OVERWRITE) hold a conversion of ours; raises
     DestinationError naming its state and the option that would proceed (nothing is written)."""
-    check_state(dest, existing)
+    (storage or SharedStorage()).check(dest, existing)
 
 
-def _open(dest: Path, plan: ConversionPlan, writer: Writer, existing: Existing, plan_files: frozenset[str],
-          created: bool) -> Mapping[str, Mapping[str, Any]]:
-    """Step 1: create `dest` and put the in-progress marker there; the records of files an unfinished run of
-    the same plan completed (kept under `Existing.RESUME`)."""
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DestinationError(f"cannot create destination {dest}: {err}") from err
-    try:
-        return open_destination(dest, plan_id(plan, writer), existing, plan_files=plan_files, source=plan.source.root)
-    except BaseException:
-        if created:
-            shutil.rmtree(dest, ignore_errors=True)
-        raise
-
-
-def _write_files(plan: ConversionPlan, writer: Writer, dest: Path, todo: frozenset[str],
+def _write_files(plan: ConversionPlan, writer: Writer, dest: Path, storage: Storage, todo: frozenset[str],
                  kept: Mapping[str, Mapping[str, Any]], map_fn: MapFn | None, trust_checkpoint: bool
                  ) -> list[FileRecord]:
     """Step 2: the workers write the target files in `todo`; the records of every written or kept file, in the
@@ -111,34 +95,36 @@ def _write_files(plan: ConversionPlan, writer: Writer, dest: Path, todo: frozens
     by_file = plan.items_by_file()
     meta = plan.target.index.meta
     mode = plan.target.write_mode
-    jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, str(dest), writer, mode, meta, trust_checkpoint)
+    root = storage.worker_root(dest)
+    jobs = [(f, tuple(by_file.get(f.path, ())), plan.source.root, root, writer, mode, meta, trust_checkpoint)
             for f in plan.target.files if f.path in todo]
     # two files at once only where a worker holds one tensor, not a whole file
     bounded = mode is not WriteMode.IN_MEMORY
     written = list((map_fn or in_threads(IO_THREADS if bounded else 1))(write_target_file, jobs))
-    remove_temps(dest, todo)  # a retried worker's (its node lost mid-write) temporary file
+    storage.remove_temps(dest, todo)  # a retried worker's (its node lost mid-write) temporary file
     by_path = {r.path: r for r in written} | {
         p: FileRecord(path=p, nbytes=int(r["bytes"]), crc32=str(r["crc32"]), extra=r.get("extra"))
         for p, r in kept.items()}
     return [by_path[f.path] for f in plan.target.files if f.path in by_path]
 
 
-def _describe(plan: ConversionPlan, writer: Writer, dest: Path, records: list[FileRecord], commit: frozenset[str]
-              ) -> tuple[list[FileRecord], list[CommitFile]]:
+def _describe(plan: ConversionPlan, writer: Writer, dest: Path, storage: Storage, records: list[FileRecord],
+              commit: frozenset[str]) -> tuple[list[FileRecord], list[CommitFile]]:
     """Step 3: the files that describe the others (`Writer.finalize`, written now unless they are commit
     files) and the commit files' bytes; every record for the manifest, commit files included."""
     meta = plan.target.index.meta
     commit_files = [CommitFile(path=f.path, data=_commit_bytes(writer.assemble(f, {}, meta), f.path))
                     for f in plan.target.files if f.path in commit]
     finalize = getattr(writer, "finalize", None)
+    described: dict[str, Any] = {}
     if finalize is not None:
         for rel, payload in finalize(records, meta).items():
             if rel in commit:
                 commit_files.append(CommitFile(path=rel, data=_commit_bytes(payload, rel)))
-                continue
-            rec = write_atomic(dest / rel, payload)
-            records.append(FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32))
+            else:
+                described[rel] = payload
     records = [FileRecord(path=r.path, nbytes=r.nbytes, crc32=r.crc32) for r in records]
+    records += storage.write(dest, described) if described else []
     records += [FileRecord(path=c.path, nbytes=len(c.data), crc32=f"{crc32(c.data):08x}") for c in commit_files]
     return records, commit_files
 
@@ -169,11 +155,3 @@ def _commit_bytes(payload: Any, path: str) -> bytes:
         return bytes(payload)
     raise CheckpointError(f"{path}: a commit file (what a loader starts from) must be assembled as bytes or text, "
                           f"got {type(payload).__name__}")
-
-
-def _remove_partial(dest: Path, created: bool) -> None:
-    if created:
-        shutil.rmtree(dest, ignore_errors=True)
-    else:
-        for child in dest.iterdir():
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)

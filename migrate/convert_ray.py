@@ -15,10 +15,11 @@ node and the ranks (`NodeLostError`), and the executor removes what it wrote. Ea
 tasks as it runs at once, so a failure stops the conversion without cancelling anything.
 
 Storage: the source and the destination must be on storage every node mounts at the same path (a shared
-file system). Before the first task, `check_shared_storage` has one task on every node list what it sees
-at those paths (files, sizes, and the content of small files such as the destination's in-progress marker)
-and compares it with the coordinator's view; a node that sees something else (a node-local disk under the
-same path) fails the conversion naming the node and the path, before anything is written there.
+file system), unless the destination is node-local (`migrate.convert_node_local`: then only the source).
+Before the first task, `check_shared_storage` has one task on every node list what it sees at those paths
+(files, sizes, and the content of small files such as the destination's in-progress marker) and compares it
+with the coordinator's view; a node that sees something else (a node-local disk under the same path) fails
+the conversion naming the node and the path, before anything is written there.
 """
 
 from __future__ import annotations

@@ -3,16 +3,20 @@ three one-CPU raylets), in its own process so the test session's embedded Ray st
 
     python tests/ray_nodes_scenario.py SRC WORKDIR  ->  prints one JSON object
 
-Three cases, one cluster: `placed` (every file written by a task on its planned node), `node_lost` (the
-raylet owning ranks 0-1 is removed while its tasks are mid-write: they are redone on other nodes, and the
-temporary files they left are gone), `exhausted` (the same with no retries: NodeLostError naming the node
-and ranks, nothing left at the destination). The cluster is shut down whatever happens.
+Cases, one cluster: `placed` (every file written by a task on its planned node), `node_local` (`migrate convert
+--storage node-local` from its own driver process: each raylet has its own "disk", the folder $NODE_DISK names
+in its environment), `node_local_shared` (node-local storage into a folder the nodes share: refused),
+`node_lost` (the raylet owning ranks 0-1 is removed while its tasks are mid-write: they are redone on other
+nodes, and the temporary files they left are gone), `node_lost_local` (the same with node-local storage),
+`exhausted` (the same with no retries: NodeLostError naming the node and ranks, nothing left at the
+destination). The cluster is shut down whatever happens.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -40,20 +44,25 @@ def _doomed(fn: Any, node_id: str, marks: str) -> Any:
     return run
 
 
-def _convert_removing(cluster: Any, node: Any, src: str, dst: Path, marks: Path, retries: int) -> dict[str, Any]:
+def _convert_removing(cluster: Any, node: Any, src: str, dst: Path | str, marks: Path, retries: int,
+                      node_local: bool = False) -> dict[str, Any]:
     """Convert with the tasks on `node` doomed; remove `node` once one of them has started."""
     from checkpoint.api import LayoutRequest, convert
     from checkpoint.errors import CheckpointError
+    from migrate.convert_node_local import NodeLocalStorage
     from migrate.convert_ray import ray_map
 
     marks.mkdir(parents=True)
     mapper = ray_map(retries=retries)
+    storage = NodeLocalStorage(mapper) if node_local else None
     outcome: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            convert(src, dst, to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3),
+            convert(src, dst, to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3), storage=storage,
                     map_fn=lambda fn, args: mapper(_doomed(fn, node.node_id, str(marks)), args))
+            if storage is not None:
+                outcome["job_manifest"] = storage.job_manifest
             outcome["ok"] = True
         except CheckpointError as err:
             outcome["error"] = f"{type(err).__name__}: {err}"
@@ -74,6 +83,39 @@ def vars_of(placement: Any) -> dict[str, Any]:
     return {"path": placement.path, "rank": placement.rank, "planned": placement.planned, "written": placement.written}
 
 
+DISK = "NODE_DISK"  # each raylet's own disk (a folder of its own on this machine)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _add_node(cluster: Any, work: Path, disks: dict[str, str]) -> Any:
+    disk = work / "disks" / f"node{len(disks)}"
+    node = cluster.add_node(num_cpus=1, env_vars={DISK: str(disk)})
+    disks[node.node_id] = str(disk)
+    return node
+
+
+def _node_local(cluster: Any, src: str, work: Path) -> dict[str, Any]:
+    """`migrate convert --storage node-local` in a driver process of its own, whose $NODE_DISK is `driver`."""
+    from checkpoint.api import LayoutRequest, convert
+    from checkpoint.errors import CheckpointError
+    from migrate.convert_node_local import NodeLocalStorage
+    from migrate.convert_ray import ray_map
+
+    env = {**os.environ, DISK: str(work / "disks" / "driver"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "migrate", "convert", src, f"${DISK}/out", "--to", "deepspeed",
+                           "--dp", "4", "--zero-stage", "3", "--ray-address", cluster.address,
+                           "--storage", "node-local"], capture_output=True, text=True, env=env, timeout=300)
+    result: dict[str, Any] = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-3000:]}
+    mapper = ray_map(shared=(src,))
+    try:  # the nodes share this folder: node-local storage refuses it
+        convert(src, work / "shared_out", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3), map_fn=mapper,
+                storage=NodeLocalStorage(mapper))
+        result["shared"] = "converted"
+    except CheckpointError as err:
+        result["shared"] = f"{type(err).__name__}: {err}"
+    return result
+
+
 def main(src: str, work: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
@@ -81,21 +123,29 @@ def main(src: str, work: Path) -> dict[str, Any]:
     from checkpoint.api import LayoutRequest, convert
     from migrate.convert_ray import alive_nodes, bytes_by_node, ray_map
 
+    os.environ[DISK] = str(work / "disks" / "driver")  # this driver's own folder: the job manifest's
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:
-        workers = [cluster.add_node(num_cpus=1) for _ in range(3)]
+        disks: dict[str, str] = {}
+        workers = [_add_node(cluster, work, disks) for _ in range(3)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-        result: dict[str, Any] = {"nodes": alive_nodes()}
+        result: dict[str, Any] = {"nodes": alive_nodes(), "disks": disks}
         mapper = ray_map(shared=(src, work / "placed"))
         outcome = convert(src, work / "placed", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=3),
                           map_fn=mapper)
         result["placed"] = [vars_of(p) for p in mapper.placements]
         result["shared_by"] = mapper.shared_by
         result["bytes_by_node"] = [dataclasses.asdict(n) for n in bytes_by_node(outcome.plan, mapper.placements)]
+        result["node_local"] = _node_local(cluster, src, work)
         owner = next(w for w in workers if w.node_id == result["nodes"][0])  # ranks 0-1
         result["node_lost"] = _convert_removing(cluster, owner, src, work / "node_lost", work / "marks1", retries=2)
-        cluster.add_node(num_cpus=1)
+        _add_node(cluster, work, disks)
+        cluster.wait_for_nodes()
+        owner = next(w for w in cluster.worker_nodes if w.node_id == alive_nodes()[0])
+        result["node_lost_local"] = _convert_removing(cluster, owner, src, f"${DISK}/node_lost", work / "marks3",
+                                                      retries=2, node_local=True)
+        _add_node(cluster, work, disks)
         cluster.wait_for_nodes()
         nodes = alive_nodes()
         owner = next(w for w in cluster.worker_nodes if w.node_id == nodes[0])

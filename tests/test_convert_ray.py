@@ -2,14 +2,18 @@
 
 import json
 import re
+import shutil
 
 import pytest
 from click.testing import CliRunner
 
 from checkpoint.api import LayoutRequest, convert, read_index
+from checkpoint.destination import JOB_MANIFEST
 from checkpoint.errors import CheckpointFormatError
+from checkpoint.manifest import verify_manifest
 from checkpoint.verify import compare_indexes
 from migrate.cli import main
+from migrate.convert_node_local import NodeLocalStorage
 from migrate.convert_ray import SharedStorageError, alive_nodes, check_shared_storage, ray_map, storage_view
 
 pytestmark = pytest.mark.slow
@@ -90,3 +94,54 @@ def test_a_node_that_sees_other_files_at_the_conversion_paths_stops_it_before_an
     mapper = ray_map(shared=(src, tmp_path / "out"))
     convert(src, tmp_path / "out", to="deepspeed", target=LayoutRequest(dp=2, zero_stage=1), map_fn=mapper)
     assert (tmp_path / "out" / "manifest.json").exists() and mapper.shared_by == alive_nodes()
+
+
+def test_node_local_storage_on_one_node_holds_its_files_with_both_manifests(deepspeed_checkpoint, ray_session,
+                                                                             tmp_path):
+    """The driver's node is also the writing node: its folder holds the files, manifest.json and the job manifest."""
+    src = deepspeed_checkpoint(2, 1).path
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(src), str(out), "--to", "dcp", "--dp", "2",
+                                       "--ray-address", "embedded", "--storage", "node-local"])
+    assert result.exit_code == 0, result.output
+    node = alive_nodes()[0]
+    assert f"node-local storage: 1 node(s) hold their files under {out} on their own disks" in result.output
+    assert f"  node {node[:12]} (" in result.output
+    job = json.loads((out / JOB_MANIFEST).read_text())
+    assert list(job["nodes"]) == [node] and job["nodes"][node]["path"] == str(out)
+    assert sorted(job["nodes"][node]["files"]) == sorted(_files(out)) == sorted(job["files"])
+    assert verify_manifest(out) == []
+    assert compare_indexes(read_index(src), read_index(out)) == []
+    again = CliRunner().invoke(main, ["convert", str(src), str(out), "--to", "dcp", "--dp", "2",
+                                      "--ray-address", "embedded", "--storage", "node-local", "--resume"])
+    assert again.exit_code == 2 and "--resume is not available with node-local storage" in again.output
+
+
+def test_node_local_storage_removes_every_nodes_folder_when_a_task_fails(deepspeed_checkpoint, ray_session,
+                                                                         tmp_path):
+    src = deepspeed_checkpoint(2, 1).path
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    index = read_index(copy)
+    optim = next(copy / f for f in index.files if "optim_states" in f)
+    optim.write_bytes(optim.read_bytes()[:-100])  # truncated after indexing: the task reading it fails
+    from checkpoint.api import plan_conversion
+    from checkpoint.execute import execute
+
+    plan, writer = plan_conversion(index, to="deepspeed", target=LayoutRequest(dp=2, zero_stage=2))
+    mapper = ray_map(shared=(copy,))
+    with pytest.raises(CheckpointFormatError):
+        execute(plan, writer, tmp_path / "out", map_fn=mapper, storage=NodeLocalStorage(mapper))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--storage node-local writes on the nodes of a Ray cluster: give --ray-address"),
+    (["--ray-address", "embedded", "--verify"], "--verify re-reads DST on this machine"),
+])
+def test_node_local_storage_needs_a_cluster_and_cannot_be_verified_here(tmp_path, extra, message):
+    (tmp_path / "src").mkdir()
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "dcp",
+                                       "--storage", "node-local", *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "out").exists()

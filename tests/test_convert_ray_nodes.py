@@ -4,6 +4,7 @@ the cluster in its own process)."""
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from checkpoint.api import read_index
+from checkpoint.destination import INCOMPLETE, JOB_MANIFEST
+from checkpoint.errors import CheckpointFormatError
+from checkpoint.io.checksum import file_crc32
 from checkpoint.manifest import verify_manifest
 from checkpoint.plan import TargetBuffer, TargetFile
 from checkpoint.verify import compare_indexes
@@ -130,3 +134,76 @@ def test_without_retries_a_lost_node_fails_naming_its_ranks_and_leaves_nothing(s
         rank = 0 if "rank_0_" in path else 1
         assert f"{path} (rank {rank}, planned on node {failed['doomed_node'][:12]})" in failed["error"], failed["error"]
     assert not (work / "exhausted").exists()
+
+
+@pytest.mark.slow
+def test_node_local_storage_keeps_each_nodes_files_on_its_own_disk(scenario, tmp_path):
+    """`migrate convert --storage node-local`: each raylet writes its ranks' files into its own folder, each folder
+    has a manifest of what it holds, the driver lists every node's files last; DeepSpeed loads the nodes' folders
+    brought together at dp4 ZeRO-3 and trains on as the source resumed at dp2 does."""
+    ck, work, result = scenario
+    out = result["node_local"]
+    assert out["rc"] == 0, out["stderr"]
+    nodes, disks = result["nodes"], result["disks"]
+    assert "ray: 3 node(s) see the source as this one does" in out["stdout"], out["stdout"]
+    assert "node-local storage: 3 node(s) hold their files under $NODE_DISK/out on their own disks" in out["stdout"]
+    driver = work / "disks" / "driver" / "out"
+    assert sorted(p.name for p in driver.iterdir()) == [JOB_MANIFEST]
+    job = json.loads((driver / JOB_MANIFEST).read_text())
+    assert job["storage"] == "node-local" and job["path"] == "$NODE_DISK/out" and sorted(job["nodes"]) == sorted(nodes)
+    for node, entry in job["nodes"].items():
+        folder = Path(disks[node]) / "out"
+        assert entry["path"] == str(folder)
+        assert verify_manifest(folder) == [], node
+        assert not (folder / INCOMPLETE).exists()
+        on_disk = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        assert on_disk == sorted([*entry["files"], "manifest.json"])
+        assert entry["manifest_crc32"] == file_crc32(folder / "manifest.json")
+    # ranks node-major, each rank's files on its node's disk only; `latest` (what a loader starts from) on every node
+    ranks = {r: [node for node, e in job["nodes"].items() if any(f"_rank_{r}_" in f for f in e["files"])]
+             for r in range(4)}
+    assert ranks == {0: [nodes[0]], 1: [nodes[0]], 2: [nodes[1]], 3: [nodes[1]]}
+    assert sorted(job["files"]["latest"]["nodes"]) == sorted(nodes)
+    assert all(len(rec["nodes"]) >= 1 for rec in job["files"].values())
+    merged = tmp_path / "merged"
+    for node in nodes:
+        shutil.copytree(Path(disks[node]) / "out", merged, dirs_exist_ok=True)
+    assert compare_indexes(read_index(ck.path), read_index(merged)) == []
+    step = dataclasses.replace(ck.spec, steps=ck.spec.steps + 1, save_dir=None)
+    resumed = launch(dataclasses.replace(step, zero_stage=3, load_dir=str(merged)), 4)[0].losses
+    reference = launch(dataclasses.replace(step, load_dir=str(ck.path)), 2)[0].losses
+    assert resumed[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_node_local_storage_refuses_a_folder_the_nodes_share(scenario):
+    _, work, result = scenario
+    assert result["node_local"]["shared"].startswith("DestinationError: "), result["node_local"]["shared"]
+    assert "storage the nodes share" in result["node_local"]["shared"]
+    assert not (work / "shared_out").exists()
+
+
+@pytest.mark.slow
+def test_node_local_storage_redoes_a_lost_nodes_files_on_another_nodes_disk(scenario):
+    """The raylet owning ranks 0-1 is removed mid-write: its files land on the other nodes' disks, the job
+    manifest lists only the nodes that hold files, and the lost node's folder keeps its marker."""
+    _, work, result = scenario
+    lost, disks = result["node_lost_local"], result["disks"]
+    assert lost.get("ok") and lost["finished"], lost
+    assert lost["doomed_started"], "no task started on the node before it was removed"
+    doomed, job = lost["doomed_node"], lost["job_manifest"]
+    moved = [p for p in lost["placements"] if p["planned"] == doomed]
+    assert {p["rank"] for p in moved} == {0, 1}
+    assert all(p["written"] not in ("", doomed) for p in moved), moved
+    assert doomed not in job["nodes"] and len(job["nodes"]) == 2
+    for node, entry in job["nodes"].items():
+        folder = Path(disks[node]) / "node_lost"
+        assert verify_manifest(folder) == [], node
+        assert not list(folder.rglob(".*.tmp-*")), "a lost task's temporary file was left behind"
+        assert {p["path"] for p in lost["placements"] if p["written"] == node} <= set(entry["files"])
+    assert {f for e in job["nodes"].values() for f in e["files"]} == set(job["files"])
+    assert (work / "disks" / "driver" / "node_lost" / JOB_MANIFEST).is_file()
+    left = Path(disks[doomed]) / "node_lost"  # its "disk" outlives the raylet here: never read as a checkpoint
+    assert (left / INCOMPLETE).is_dir()
+    with pytest.raises(CheckpointFormatError, match="unfinished conversion"):
+        read_index(left)

@@ -14,12 +14,14 @@ import click
 from checkpoint import bounded_yaml
 from checkpoint.api import LayoutRequest, WRITABLE_FORMATS, convert, read_index
 from checkpoint.formats import FORMAT_ALIASES
-from checkpoint.destination import Existing
+from checkpoint.destination import JOB_MANIFEST, Existing
 from checkpoint.errors import CheckpointError
 from checkpoint.strictness import Strictness
 from checkpoint.pools import local_map
+from checkpoint.storage import NodePath, Storage
 from checkpoint.plan import summarize
 from checkpoint.verify import compare_indexes
+from migrate.convert_node_local import NodeLocalStorage
 from migrate.convert_ray import NodeLostError, RayMap, bytes_by_node
 from migrate.progress import LiveStatus
 
@@ -72,6 +74,10 @@ def _shard_size(text: str | None) -> int | str | None:
 @click.option("--ray-address", default=None,
               help="write target files as Ray tasks on this cluster ('embedded', 'auto', HOST:PORT); "
                    "default: --workers local processes")
+@click.option("--storage", type=click.Choice(["shared", "node-local"]), default="shared", show_default=True,
+              help="with --ray-address: shared = DST is one folder every node sees (a shared file system); "
+                   "node-local = each node keeps the files its tasks wrote under DST on its own disk ($VAR in DST "
+                   "expands on each node), the driver writes DST/manifest.nodes.json listing every node's files")
 @click.option("--arch", default=None, help="HF name map for --to hf (llama, mixtral, gpt; default: the config's)")
 @click.option("--max-shard-size", default=None,
               help="--to hf: the largest safetensors shard, as save_pretrained takes it ('5GB', '500MB', bytes; "
@@ -104,7 +110,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             ep: int | None, vpp: int | None, first_pipeline_stage_layers: int | None, last_pipeline_stage_layers: int | None,
             max_shard_size: str | None, dcp_layout: str | None,
             param_names: str | None,
-            dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, arch: str | None,
+            dry_run: bool, per_rank: bool, verify: bool, workers: int, ray_address: str | None, storage: str,
+            arch: str | None,
             model_config: Path | None, strict: str, trust_checkpoint: bool, follow_symlinks: bool, resume: bool,
             overwrite: bool) -> None:
     if to in FORMAT_ALIASES:
@@ -113,8 +120,15 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other: finish the earlier conversion or "
                                "replace it")
+    node_local = storage == "node-local"
+    if node_local and ray_address is None:
+        raise click.UsageError("--storage node-local writes on the nodes of a Ray cluster: give --ray-address")
+    if node_local and verify:
+        raise click.UsageError("--verify re-reads DST on this machine; with --storage node-local the files are on "
+                               "the nodes' disks (each node's manifest.json lists and checks its own)")
     existing = Existing.RESUME if resume else Existing.OVERWRITE if overwrite else Existing.REFUSE
     config = None if model_config is None else read_model_config(model_config)
+    destination: Storage | None = None
     with ExitStack() as stack:
         map_fn = local_map(workers)
         if ray_address is not None and not dry_run:
@@ -122,7 +136,9 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
             from migrate.runtime.ray_cluster import connect
 
             stack.enter_context(connect(ray_address, num_cpus=max(workers, 1)))
-            map_fn = ray_map(max_in_flight=max(workers, 1), shared=(src, dst))
+            map_fn = ray_map(max_in_flight=max(workers, 1), shared=(src,) if node_local else (src, dst))
+            if node_local:
+                destination = NodeLocalStorage(map_fn)
         phases = LiveStatus("convert", dest=dst)
         try:
             outcome = convert(src, dst, to=to, target=LayoutRequest(dp=dp, tp=tp, pp=pp, ep=ep, vpp=vpp,
@@ -132,7 +148,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
                               strict=Strictness(strict), arch=arch, model_config=config,
                               max_shard_size=_shard_size(max_shard_size), dcp_layout=dcp_layout,
                               param_names=param_names, dry_run=dry_run, map_fn=map_fn, trust_checkpoint=trust_checkpoint,
-                              follow_symlinks=follow_symlinks, existing=existing, phase=phases)
+                              follow_symlinks=follow_symlinks, existing=existing, phase=phases,
+                              storage=destination)
         except NodeLostError as exc:  # not bad input: the cluster lost what it was writing
             phases.close(last="")  # the error is the last line
             click.echo(f"error: {exc}", err=True)
@@ -164,7 +181,8 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
         nodes = bytes_by_node(outcome.plan, map_fn.placements)
         moved = sum(p.written != p.planned for p in map_fn.placements if p.planned)
         if map_fn.shared_by:
-            click.echo(f"ray: {len(map_fn.shared_by)} node(s) see the source and the destination as this one does")
+            seen = "the source" if node_local else "the source and the destination"
+            click.echo(f"ray: {len(map_fn.shared_by)} node(s) see {seen} as this one does")
         click.echo(f"ray: {len(map_fn.placements)} files written by tasks on {len(nodes)} node(s)"
                    + (f", {moved} on another node than planned (their node was lost)" if moved else ""))
         for n in nodes:
@@ -173,6 +191,12 @@ def command(src: Path, dst: Path, to: str, dp: int | None, zero_stage: int | Non
                      f"ranks {n.ranks[0]}-{n.ranks[-1]}" if contiguous else f"ranks {', '.join(map(str, n.ranks))}")
             click.echo(f"  node {n.node[:12]}: {ranks}, {n.files} files, read {n.bytes_read / 2**20:.2f} MiB, "
                        f"wrote {n.bytes_written / 2**20:.2f} MiB")
+    if isinstance(destination, NodeLocalStorage) and destination.job_manifest:
+        held = destination.job_manifest["nodes"]
+        click.echo(f"node-local storage: {len(held)} node(s) hold their files under {dst} on their own disks; the "
+                   f"list of every node's files is {Path(NodePath(str(dst))) / JOB_MANIFEST} on this machine")
+        for node, entry in held.items():
+            click.echo(f"  node {node[:12]} ({entry['address']}): {len(entry['files'])} files in {entry['path']}")
     if verify:
         problems = compare_indexes(outcome.plan.source, read_index(dst))
         for p in problems:
