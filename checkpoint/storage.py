@@ -73,11 +73,7 @@ class SharedStorage:
              source: str) -> Mapping[str, Mapping[str, Any]]:
         self.created = not dest.exists()
         try:
-            dest.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DestinationError(f"cannot create destination {dest}: {err}") from err
-        try:
-            return open_destination(dest, plan_id, existing, plan_files=plan_files, source=source)
+            return open_here(dest, plan_id, existing, plan_files=plan_files, source=source)
         except BaseException:
             if self.created:
                 shutil.rmtree(dest, ignore_errors=True)
@@ -90,8 +86,7 @@ class SharedStorage:
         remove_temps(dest, paths)
 
     def write(self, dest: Path, files: Mapping[str, Any]) -> list[FileRecord]:
-        return [FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32)
-                for rel, rec in ((rel, write_atomic(dest / rel, payload)) for rel, payload in files.items())]
+        return write_files(dest, files)
 
     def commit(self, dest: Path, records: Sequence[FileRecord], commit_files: Sequence[CommitFile],
                source: ManifestSource) -> None:
@@ -99,6 +94,22 @@ class SharedStorage:
 
     def remove_partial(self, dest: Path) -> None:
         remove_partial(dest, self.created)
+
+
+def open_here(dest: Path, plan_id: str, existing: Existing, *, plan_files: frozenset[str], source: str,
+              owner: str = "") -> dict[str, dict[str, Any]]:
+    """In this process: create `dest` and put the marker of plan `plan_id` there (`open_destination`)."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DestinationError(f"cannot create destination {dest}: {err}") from err
+    return open_destination(dest, plan_id, existing, plan_files=plan_files, source=source, owner=owner)
+
+
+def write_files(dest: Path, files: Mapping[str, Any]) -> list[FileRecord]:
+    """In this process: each {relative path: payload} written atomically under `dest`; their records."""
+    return [FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32)
+            for rel, rec in ((rel, write_atomic(dest / rel, payload)) for rel, payload in files.items())]
 
 
 def commit_here(dest: Path, records: Sequence[FileRecord], commit_files: Sequence[CommitFile],

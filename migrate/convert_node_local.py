@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpoint.destination import (JOB_MANIFEST, CommitFile, Existing, State, check_state, marker_owner,
-                                    open_destination, state_of)
+from checkpoint.destination import (JOB_MANIFEST, MANIFEST, CommitFile, Existing, State, check_state,
+                                    marker_owner, state_of)
 from checkpoint.errors import CheckpointError, DestinationError
 from checkpoint.io.checksum import file_crc32
-from checkpoint.storage import ManifestSource, NodePath, commit_here, remove_partial
+from checkpoint.storage import ManifestSource, NodePath, commit_here, open_here, remove_partial, write_files
 from checkpoint.write import FileRecord, remove_temps, write_atomic
 from migrate.convert_ray import NodeLostError, RayMap, alive_nodes
 
@@ -54,11 +54,7 @@ def _open_here(template: str, plan_id: str, existing: Existing, plan_files: froz
                owner: str) -> bool:
     dest = _here(template)
     created = not dest.exists()
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DestinationError(f"cannot create destination {dest}: {err}") from err
-    open_destination(dest, plan_id, existing, plan_files=plan_files, source=source, owner=owner)
+    open_here(dest, plan_id, existing, plan_files=plan_files, source=source, owner=owner)
     return created
 
 
@@ -71,16 +67,14 @@ def _remove_temps_here(template: str, paths: list[str]) -> None:
 
 
 def _write_here(template: str, files: Mapping[str, Any]) -> list[FileRecord]:
-    dest = _here(template)
-    return [FileRecord(path=rel, nbytes=rec.nbytes, crc32=rec.crc32)
-            for rel, rec in ((rel, write_atomic(dest / rel, payload)) for rel, payload in files.items())]
+    return write_files(_here(template), files)
 
 
 def _commit_here(template: str, records: list[FileRecord], commit_files: list[CommitFile],
                  source: ManifestSource) -> tuple[str, str]:
     dest = _here(template)
     commit_here(dest, records, commit_files, source)
-    return str(dest), file_crc32(dest / "manifest.json")
+    return str(dest), file_crc32(dest / MANIFEST)
 
 
 def _remove_partial_here(template: str, created: bool) -> None:
