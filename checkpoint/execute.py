@@ -8,12 +8,13 @@ Call sequence (coordinator = the caller of `execute`; what touches the destinati
    buffers, fill them from memory-mapped source files, let the writer assemble the file's object,
    save it to a temporary name, fsync, rename; return its CRC-32. The target's `WriteMode` says how:
    `IN_PLACE` saves the object without tensor data first and sends each copy item's bytes straight
-   to their place in that file (kernel file-to-file copies where possible); `STREAMING` fills
+   to their place in that file (file-to-file copies where possible); `STREAMING` fills
    buffers one at a time, as the writer asks for them, and writes each before the next: either way a
    worker holds at most one tensor. The disk's writeback of each file starts as its bytes
    land (`start_writeback`), so the fsync that ends a file waits for little and the disk works while
-   the copies go on. An in-place file's CRC comes from the one pass that fills in its zip records'
-   CRCs; any other file is read back once for its CRC;
+   the copies go on. Every write returns the CRC-32 of its bytes, taken while they are in the CPU's
+   cache: a file's CRC (and an in-place file's zip record CRCs) combines those, so what was written is
+   not read back;
 3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
    DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
    (files, sizes, CRC-32), then the files a loader starts from (`TargetSpec.commit`: DeepSpeed's

@@ -2,7 +2,7 @@
 writer's object saved under a temporary name, fsynced, renamed. The target's `WriteMode` says how:
 `IN_MEMORY` fills every buffer then saves; `STREAMING` fills each buffer when the writer looks it up and
 writes it before the next; `IN_PLACE` saves the object without tensor data and puts each item's bytes at
-their place in that file (kernel file-to-file copies where possible)."""
+their place in that file (file-to-file copies where possible)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from checkpoint.destination import fsync_dir, journal
 from checkpoint.errors import CheckpointError, CheckpointFormatError, DestinationError
 from checkpoint.index import KeyPath
 from checkpoint.io.buffers import zeros
-from checkpoint.io.checksum import file_crc32
+from checkpoint.io.checksum import Span, file_crc32
 from checkpoint.io.sources import Sources
 from checkpoint.io.syscalls import WritebackFile, copy_range, pwrite_all, release_pages
 from checkpoint.io.torch_zip import TensorLocations, StoredTensor, fix_zip_crcs
@@ -91,7 +91,8 @@ def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileReco
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        with io.BufferedWriter(WritebackFile(tmp)) as f:
+        raw = WritebackFile(tmp)
+        with io.BufferedWriter(raw) as f:
             extra = None
             if isinstance(payload, (bytes, str)):
                 f.write(payload.encode() if isinstance(payload, str) else payload)
@@ -106,8 +107,10 @@ def write_atomic(path: Path, payload: Any, *, checksum: bool = True) -> FileReco
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DestinationError(f"{path}: write failed ({err.strerror or err}); disk full or not writable?") from err
-    return FileRecord(path=str(path), nbytes=path.stat().st_size, crc32=file_crc32(path) if checksum else "",
-                      extra=extra)
+    nbytes = path.stat().st_size
+    crc = "" if not checksum else f"{raw.crc:08x}" if raw.crc is not None and raw.written == nbytes else \
+        file_crc32(path)  # the CRC taken while writing, unless the payload seeked back: then one read
+    return FileRecord(path=str(path), nbytes=nbytes, crc32=crc, extra=extra)
 
 
 def write_target_file(file: TargetFile, items: Sequence[CopyItem], source_root: str, dest_root: str,
@@ -195,9 +198,10 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
     stay holes, i.e. zeros), then put each copy item's bytes at their place in the file, fsync, rename.
 
     A flat item, or a box item that moves one contiguous run, between equal dtypes of torch.save'd
-    files is copied file to file inside the kernel (`copy_file_range`: no process memory); other flat
-    items go through the source tensor's region (pages released after); other box items fill their
-    buffer in memory.
+    files is copied file to file through a small block of memory (`copy_range`); other flat items go
+    through the source tensor's region (pages released after); other box items fill their buffer in
+    memory. Every write returns the CRC-32 of its bytes, so the file's CRC combines those with the few
+    bytes around them (headers, the pickle): no tensor byte is read back.
     0-d buffers are filled before `assemble`, which may store them as Python numbers (then they are
     not located in the file: their value is in the pickle).
     Peak memory: one tensor, never the file.
@@ -234,8 +238,9 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                                       f"{b.dtype} tensor at {list(b.key)} (found {loc})")
             targets[b.key] = loc
         boxes: dict[KeyPath, list[CopyItem]] = {}
+        written: list[Span] = []  # pieces of the tensor records with the CRC-32 their writes returned
 
-        def _copy_in_kernel(it: CopyItem, run: tuple[int, int, int], dst: StoredTensor) -> bool:
+        def _copy_file_to_file(it: CopyItem, run: tuple[int, int, int], dst: StoredTensor) -> bool:
             """Copy elements run = (source offset, target offset, count) file to file when both are one
             contiguous run of the same dtype inside the files; False when they are not."""
             s, d, n = run
@@ -245,7 +250,9 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
             if it.src.file not in fds:
                 fds[it.src.file] = os.open(src_root / it.src.file, os.O_RDONLY)
             size = torch.empty((), dtype=dst.dtype).element_size()
-            copy_range(fds[it.src.file], out.fileno(), n * size, src_loc.offset + s * size, dst.offset + d * size)
+            at = dst.offset + d * size
+            written.append(Span(at, n * size, copy_range(fds[it.src.file], out.fileno(), n * size,
+                                                         src_loc.offset + s * size, at)))
             return True
 
         with open(tmp, "rb+") as out:
@@ -256,7 +263,7 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                     raise CheckpointError(f"plan targets {file.path} {list(it.dst.key)}, which is not a buffer of "
                                           f"that file")
                 run = box_run(it) if it.flat is None else it.flat
-                if it.flat is None and (run is None or not _copy_in_kernel(it, run, targets[it.dst.key])):
+                if it.flat is None and (run is None or not _copy_file_to_file(it, run, targets[it.dst.key])):
                     boxes.setdefault(it.dst.key, []).append(it)
                     continue
                 if it.flat is None:
@@ -265,12 +272,13 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                 if d + n > dst.numel:
                     raise CheckpointFormatError(f"target {file.path} {list(it.dst.key)}: needs elements [{d}, "
                                                 f"{d + n}) but the buffer has {dst.numel}")
-                if _copy_in_kernel(it, it.flat, dst):
+                if _copy_file_to_file(it, it.flat, dst):
                     continue
                 src = sources.tensor(it.src.file, it.src.key)
                 part = region(src, s, n, where=f"{src_root / it.src.file} {list(it.src.key)} ({it.tensor})")
                 part = part.to(dst.dtype)
-                pwrite_all(out.fileno(), part, dst.offset + d * part.element_size())
+                at = dst.offset + d * part.element_size()
+                written.append(Span(at, n * part.element_size(), pwrite_all(out.fileno(), part, at)))
                 if sources.mapped(it.src.key):
                     release_pages(src, s, n)
             for key, box_items in boxes.items():
@@ -281,10 +289,11 @@ def _write_in_place(file: TargetFile, items: Sequence[CopyItem], source_root: st
                     copy_item(it, src, buf, src_where=str(src_root / it.src.file))
                     if sources.mapped(it.src.key):
                         release_pages(src, it.src.storage_offset, it.src.numel)
-                pwrite_all(out.fileno(), buf, targets[key].offset)
+                written.append(Span(targets[key].offset, buf.numel() * buf.element_size(),
+                                    pwrite_all(out.fileno(), buf, targets[key].offset)))
                 del buf
             out.flush()
-            crc = fix_zip_crcs(out, tmp)
+            crc = fix_zip_crcs(out, tmp, written)
             os.fsync(out.fileno())
         sources.close()
         os.replace(tmp, path)

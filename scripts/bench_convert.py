@@ -26,9 +26,12 @@ writes every number. Targets (issue 4):
   end-to-end ratio with DeepSpeed's plain load of our output added to our side;
 * memory: peak RSS <= 2x the largest tensor + 400 MB, and flat (within 24 MiB) as the checkpoint grows.
 
-Defaults are 1, 2 and 4 GB; 4 GB needs about 12 GB of memory for the four training ranks that build
-the source (check `free -g` first on a shared machine).
-Run: `.venv/bin/python scripts/bench_convert.py [--sizes-gb 1,2,4] [--work DIR] [--json PATH]`.
+Defaults are 1, 2, 4 and 8 GB. Building the source takes the memory of four training ranks: about 6 GB
+at 4 GB, 23 GB at 8 GB (each rank peaks near 5.8 GB; DeepSpeed's buckets are shrunk for it, see
+`_config`), so 8 GB needs an otherwise idle 24 GB machine (check `free -g` first), and three times the
+checkpoint's size on disk.
+Run: `.venv/bin/python scripts/bench_convert.py [--sizes-gb 1,2,4,8] [--ray-nodes 1,2,4] [--work DIR]
+[--json PATH]`.
 """
 
 from __future__ import annotations
@@ -110,8 +113,10 @@ def _model(layers: int, hidden: int) -> torch.nn.Module:
 
 
 def _config(stage: int, universal: bool) -> dict:
+    # buckets of 5e7 elements (200 MB) instead of DeepSpeed's 5e8 (2 GB each, per rank): what lets four ranks
+    # build an 8 GB checkpoint in 24 GB; the checkpoint's content does not depend on them
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-           "zero_optimization": {"stage": stage}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -223,7 +228,7 @@ if a["nodes"]:
     from migrate.convert_ray import alive_nodes, ray_map
 
     def _hwm(hold=0.0):
-        import checkpoint.write  # noqa: F401 - the converter's imports, as in a worker that converted before
+        import checkpoint.api  # noqa: F401 - the converter and its formats, as in a worker that converted before
         time.sleep(hold)  # held: every CPU of the node gets a worker of its own
         hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
         return int(hwm.split()[1]) * 1024
@@ -391,7 +396,7 @@ def verdicts(cases: list[Case]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes-gb", default="1,2,4", help="comma-separated checkpoint sizes in GB")
+    p.add_argument("--sizes-gb", default="1,2,4,8", help="comma-separated checkpoint sizes in GB")
     p.add_argument("--dp", type=int, default=4, help="source data-parallel size (ZeRO-2)")
     p.add_argument("--to-dp", type=int, default=3, help="target dp of the dp-change conversion")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="width of the square linears (largest tensor)")

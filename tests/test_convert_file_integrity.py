@@ -1,10 +1,13 @@
 """What a converted checkpoint promises on disk: valid zip CRCs, a manifest whose CRC-32s catch any
-changed byte, DeepSpeed's classes pickled under DeepSpeed's own names without importing deepspeed,
-and the byte-copy fast paths equal to torch's own element copies.
+changed byte (taken as the bytes were written: a converted file is not read back for them), DeepSpeed's
+classes pickled under DeepSpeed's own names without importing deepspeed, and the byte-copy fast paths
+equal to torch's own element copies.
 """
 
 import io
 import json
+import math
+import os
 import subprocess
 import sys
 import zipfile
@@ -20,10 +23,13 @@ from checkpoint import safe_load
 from checkpoint.copy_items import copy_item
 from checkpoint.destination import MANIFEST
 from checkpoint.execute import execute
-from checkpoint.io.checksum import crc32_combine, file_crc32
+from checkpoint.api import LayoutRequest, convert
+from checkpoint.io import checksum
+from checkpoint.io.checksum import Span, crc32_combine, crc_with_spans, file_crc32
 from checkpoint.manifest import verify_manifest
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorKey
 from checkpoint.plan import ConversionPlan, CopyItem, TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.write import StreamPayload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +38,27 @@ REPO = Path(__file__).resolve().parents[1]
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
 def test_crc32_combine_equals_the_crc_of_the_concatenation(a, b):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_crc_from_known_pieces_equals_the_crc_of_the_bytes(tmp_path_factory, data):
+    """Pieces whose CRC is known are combined, the bytes between them read; pieces written over each other
+    (their last bytes unknown to the pieces' CRCs) make it read the whole range."""
+    blob = data.draw(st.binary(min_size=1, max_size=4000))
+    start = data.draw(st.integers(0, len(blob)))
+    end = data.draw(st.integers(start, len(blob)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=12)))
+    spans = [Span(a, b - a, zlib.crc32(blob[a:b])) for a, b in zip(cuts[::2], cuts[1::2])]
+    if data.draw(st.booleans()) and spans:  # one piece claimed twice, as an overwrite would leave it
+        spans.append(spans[0])
+    path = tmp_path_factory.mktemp("crc") / "f"
+    path.write_bytes(blob)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert crc_with_spans(fd, start, end, spans, 7) == zlib.crc32(blob[start:end], 7)
+    finally:
+        os.close(fd)
 
 
 class _Placing:
@@ -75,6 +102,48 @@ def test_in_place_file_is_a_valid_zip_and_its_manifest_crc_is_the_files(tmp_path
     record = manifest["files"]["f.pt"]
     assert record["crc32"] == f"{zlib.crc32((out / 'f.pt').read_bytes()):08x}" == file_crc32(out / "f.pt")
     assert verify_manifest(out) == []
+
+
+class _Patching:
+    """A streaming writer that writes its header last, seeking back to it (as safetensors-like writers may)."""
+
+    def assemble(self, file, buffers, meta):
+        def write(f):
+            f.write(b"\0" * 8)
+            f.write(bytes(buffers[("v",)].numpy()))
+            f.seek(0)
+            f.write(b"HEADER!!")
+            f.seek(0, 2)
+        return StreamPayload(write=write)
+
+
+@pytest.mark.parametrize("writer", [_Placing(), _Patching()], ids=["in_place", "streaming_with_seek"])
+def test_manifest_crc_taken_while_writing_is_the_files(tmp_path, writer):
+    """The CRC-32 the manifest records is taken from the writes, not from reading the file back; a payload
+    that seeks back over what it wrote still gets the file's CRC."""
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": torch.arange(5.0)}, src / "a.pt")
+    keys = {"w": TensorKey(name="w", kind=Kind.PARAM), "v": TensorKey(name="v", kind=Kind.PARAM)}
+    shapes = {"w": (3, 4), "v": (5,)}
+    items = tuple(CopyItem(tensor=keys[n], src=ChunkRef(file="a.pt", key=(n,), offsets=(0,) * len(shapes[n]),
+                                                         lengths=shapes[n]),
+                           dst=ChunkRef(file="f.pt", key=(n,), offsets=(0,) * len(shapes[n]), lengths=shapes[n]),
+                           flat=(0, 0, math.prod(shapes[n])), narrows=None, numel=math.prod(shapes[n]))
+                  for n in ("w", "v"))
+    mode = WriteMode.IN_PLACE if isinstance(writer, _Placing) else WriteMode.STREAMING
+    target = TargetSpec(index=CheckpointIndex(format="x", root="", entries=(), files=("f.pt",)), write_mode=mode,
+                        files=(TargetFile(path="f.pt", role="r", rank=0,
+                                          buffers=tuple(TargetBuffer(key=(n,), shape=shapes[n], dtype="float32")
+                                                        for n in ("w", "v"))),))
+    plan = ConversionPlan(source=CheckpointIndex(format="x", root=str(src), entries=(), files=("a.pt",)),
+                          target=target, fixed_items=items)
+    execute(plan, writer, tmp_path / "out")
+    data = (tmp_path / "out" / "f.pt").read_bytes()
+    if isinstance(writer, _Patching):
+        assert data == b"HEADER!!" + bytes(torch.arange(5.0).numpy())
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["files"]["f.pt"]["crc32"] == f"{zlib.crc32(data):08x}"
 
 
 def test_manifest_catches_a_flipped_bit_and_a_truncation(tmp_path):
@@ -147,6 +216,33 @@ def test_converting_a_deepspeed_checkpoint_does_not_import_deepspeed(deepspeed_c
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
     assert verify_manifest(tmp_path / "out") == []
+
+
+def test_a_dp_change_takes_its_checksums_without_reading_what_it_wrote(deepspeed_checkpoint, tmp_path,
+                                                                       monkeypatch):
+    """The CRC-32s of the manifest and of the zip records come from the writes: the only bytes read back
+    are the few around the tensors (zip headers, pickles); every one of them still matches the file."""
+    src = deepspeed_checkpoint(2, 1).path
+    read_back: list[int] = []
+    crc_range = checksum.crc_range
+
+    def counting(fd, start, end, value=0):
+        read_back.append(end - start)
+        return crc_range(fd, start, end, value)
+
+    monkeypatch.setattr(checksum, "crc_range", counting)
+    convert(src, tmp_path / "out", to="deepspeed", target=LayoutRequest(dp=4, zero_stage=2))
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    tensor_bytes = around = 0
+    for path in out.rglob("*.pt"):
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None, path
+            data = sum(i.compress_size for i in z.infolist() if "/data/" in i.filename)
+        tensor_bytes, around = tensor_bytes + data, around + path.stat().st_size - data
+    assert tensor_bytes > around > 0
+    assert sum(read_back) <= around, (sum(read_back), around, tensor_bytes)
+    assert verify_manifest(out) == []
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,6 +11,7 @@ import struct
 import sys
 import warnings
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,7 +20,7 @@ import torch
 
 from checkpoint.errors import CheckpointError, CheckpointFormatError
 from checkpoint.index import KeyPath
-from checkpoint.io.checksum import crc32_combine, crc_range
+from checkpoint.io.checksum import Span, crc_with_spans
 from checkpoint.io.sources import resolve_key
 
 
@@ -126,10 +127,12 @@ class TensorLocations:
                             dtype=ref.storage.dtype)
 
 
-def fix_zip_crcs(f: BinaryIO, path: Path) -> int:
+def fix_zip_crcs(f: BinaryIO, path: Path, written: Sequence[Span] = ()) -> int:
     """Write the CRC-32 of every tensor record into its data descriptor and central-directory entry,
-    and return the CRC-32 of the whole file: each tensor's bytes are read once, the file's CRC
-    combines theirs with that of the bytes around them (read after the fix).
+    and return the CRC-32 of the whole file. `written`: the pieces of the records whose CRC-32 the
+    writes returned; a record's CRC combines theirs and reads only the bytes no piece covers (holes
+    left as zeros), and the file's combines the records' with the bytes around them (headers and the
+    pickle, read after the fix). With no pieces given, every tensor byte is read once.
 
     `torch.save` under `skip_data` leaves them 0 (torch.load does not check them; zip tools do).
     """
@@ -146,7 +149,7 @@ def fix_zip_crcs(f: BinaryIO, path: Path) -> int:
             local_name, local_extra = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
             start = info.header_offset + 30 + local_name + local_extra
             end = start + info.compress_size
-            crc = crc_range(fd, start, end)
+            crc = crc_with_spans(fd, start, end, written)
             regions.append((start, end, crc))
             packed = struct.pack("<I", crc)
             os.pwrite(fd, packed, cd_pos + 16)
@@ -156,8 +159,4 @@ def fix_zip_crcs(f: BinaryIO, path: Path) -> int:
             else:
                 os.pwrite(fd, packed, info.header_offset + 14)
         cd_pos += 46 + name_len + extra_len + comment_len
-    value, pos = 0, 0
-    for start, end, crc in sorted(regions):
-        value = crc32_combine(crc_range(fd, pos, start, value), crc, end - start)
-        pos = end
-    return crc_range(fd, pos, os.fstat(fd).st_size, value)
+    return crc_with_spans(fd, 0, os.fstat(fd).st_size, [Span(start, end - start, crc) for start, end, crc in regions])
