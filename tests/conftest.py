@@ -3,6 +3,12 @@
 Environment: W&B offline and quiet, Ray without auth token, DeepSpeed on the CPU
 accelerator. One embedded Ray cluster per session (``ray_session``): Ray start costs
 seconds, so every Ray test shares it.
+
+Tiers, one folder each: ``unit`` (one process), ``multiprocess`` (child processes, no
+framework), ``frameworks`` (checkpoints a real framework wrote or loads), ``accelerator``
+(a GPU or NPU). A unit or multiprocess test that asks for a framework's checkpoint is
+refused at collection; a test that asks for one is marked ``slow``, every accelerator test
+``accelerator``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,28 @@ def _accelerator_present() -> bool:
         return False
 
 
+# Session fixtures whose checkpoints a real framework writes (tests/workload_fixtures.py, ds_checkpoint_fixtures.py).
+FRAMEWORK_FIXTURES = frozenset({"deepspeed_checkpoint", "deepspeed_checkpoints", "fsdp_checkpoint", "megatron_checkpoint",
+                                "megatron_legacy_checkpoint", "workload_extensions_dir"})
+TIERS = ("unit", "multiprocess", "frameworks", "accelerator")
+
+
+def _tier(item: pytest.Item) -> str:
+    return item.path.parent.name
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = [f"{item.nodeid} (tier {_tier(item)!r} asks for {sorted(FRAMEWORK_FIXTURES & set(item.fixturenames))})"
+                 for item in items if _tier(item) in ("unit", "multiprocess")
+                 and FRAMEWORK_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    outside = [f"{item.nodeid} (not in a tier's folder: {', '.join(TIERS)})" for item in items if _tier(item) not in TIERS]
+    if misplaced or outside:
+        raise pytest.UsageError("tests in the wrong tier: " + "; ".join(misplaced + outside))
+    for item in items:
+        if _tier(item) == "accelerator":
+            item.add_marker(pytest.mark.accelerator)
+        if FRAMEWORK_FIXTURES & set(getattr(item, "fixturenames", ())):  # its session's first use launches a framework
+            item.add_marker(pytest.mark.slow)
     if _accelerator_present():
         return
     skip = pytest.mark.skip(reason="needs a GPU or NPU; none present")

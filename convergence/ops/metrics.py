@@ -5,7 +5,7 @@ maximum absolute error (scaled by the reference's RMS), maximum relative error o
 elements that are not small (|reference| >= RMS; below it cancellation makes relative
 error meaningless), and mean error in units in the last place (ULP) of the dtype
 under test. Limits are multiples of the dtype's epsilon; the PyTorch CPU kernels pass
-them with a margin of at least 2x (see tests/test_ops_numerics.py).
+them with a margin of at least 2x (see tests/unit/test_ops_numerics.py).
 """
 
 from __future__ import annotations
