@@ -58,6 +58,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     outside = [f"{item.nodeid} (not in a tier's folder: {', '.join(TIERS)})" for item in items if _tier(item) not in TIERS]
     if misplaced or outside:
         raise pytest.UsageError("tests in the wrong tier: " + "; ".join(misplaced + outside))
+    # Files run in the order of their names, not of their tiers: the workers then take heavy framework files and
+    # light ones in turn (all framework files at once on both workers ran 6 min longer and raced for ports).
+    items.sort(key=lambda item: item.path.name)
     for item in items:
         if _tier(item) == "accelerator":
             item.add_marker(pytest.mark.accelerator)
