@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,18 +122,14 @@ def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
         torch.save(seen, os.path.join(out, f"{mode}.pt"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(mode: str, run: TrainerRun, world_size: int, out: Path, resume: Path | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-           f"--master_port={_port()}", __file__, mode, json.dumps(dataclasses.asdict(run)), str(out),
+    # --standalone: torchrun's own rendezvous store on a port it binds (no port chosen here that another
+    # process could take before the launch binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+           __file__, mode, json.dumps(dataclasses.asdict(run)), str(out),
            str(resume or "")]
     result = out / f"{mode}.pt"
     result.unlink(missing_ok=True)

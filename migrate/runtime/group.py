@@ -108,6 +108,13 @@ class WorkerGroupError(RuntimeError):
     def ranks(self) -> tuple[int, ...]:
         return tuple(f.rank for f in self.failures if f.kind != "aborted")
 
+    @property
+    def port_taken(self) -> bool:
+        """Whether a rank could not listen on the rendezvous port (EADDRINUSE): the port was free when it was
+        chosen and taken by another process before the rank bound it, so a new port may well work."""
+        return any(f.kind == "exception" and ("EADDRINUSE" in f.detail or "address already in use" in f.detail.lower())
+                   for f in self.failures)
+
 
 class WorkerGroup(Protocol):
     """A started group of ranks; close it (or use ``with``) to tear it down."""

@@ -15,6 +15,8 @@ and its node; the group is then torn down (no orphan processes).
 
 from __future__ import annotations
 
+import sys
+
 from migrate.runtime.group import (RankContext, RankFailure, WorkerGroup, WorkerGroupError, WorkerGroupSpec,
                                    rank_placement)
 
@@ -22,15 +24,30 @@ __all__ = ["RankContext", "RankFailure", "WorkerGroup", "WorkerGroupError", "Wor
            "start_worker_group", "warm_local_ranks"]
 
 
+# Starts of a group whose rendezvous port was taken between its choice and the bind, before giving up.
+PORT_ATTEMPTS = 3
+
+
 def start_worker_group(spec: WorkerGroupSpec) -> WorkerGroup:
-    """Start every rank, initialize torch.distributed on each, and return the group."""
+    """Start every rank, initialize torch.distributed on each, and return the group.
+
+    A start that fails only because the rendezvous port was taken meanwhile (another process bound it between
+    its choice and rank 0's listen) is made again on a new port, up to ``PORT_ATTEMPTS`` starts in all; every
+    other failure raises at once. A failed start leaves no process behind."""
     if spec.mode == "local":
-        from migrate.runtime._local import LocalWorkerGroup
-
-        return LocalWorkerGroup(spec)
-    from migrate.runtime._ray import RayWorkerGroup
-
-    return RayWorkerGroup(spec)
+        from migrate.runtime._local import LocalWorkerGroup as group_class
+    else:
+        from migrate.runtime._ray import RayWorkerGroup as group_class  # type: ignore[assignment]
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return group_class(spec)
+        except WorkerGroupError as exc:
+            if not exc.port_taken or attempt == PORT_ATTEMPTS:
+                raise
+            cause = next(f for f in exc.failures if f.kind == "exception").describe()
+            print(f"worker group: start {attempt} of {PORT_ATTEMPTS} found its rendezvous port taken ({cause}); "
+                  "starting again on another port", file=sys.stderr)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def warm_local_ranks(*modules: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import psutil
@@ -172,6 +173,59 @@ def test_local_mode_runs_the_same_rank_code_and_reports_a_killed_rank():
     assert [f.rank for f in info.value.failures if f.kind == "died"] == [1]
     assert "SIGKILL" in str(info.value)
     _assert_gone(pids)
+
+
+def _listening(port: int = 0) -> socket.socket:
+    """A socket listening on every address at `port` (0: one the kernel picks), as another program's would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("", port))
+    sock.listen()
+    return sock
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_is_replaced_by_another(monkeypatch, capfd):
+    """Another program binds the port between its choice and rank 0's listen: the group starts again on a new
+    port, and a port taken at every start fails after the last one, naming EADDRINUSE."""
+    import migrate.runtime.worker_group as worker_group
+    import migrate.runtime._local as local
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        chosen: list[int] = []
+
+        def taken_once_then_free() -> int:
+            chosen.append(port if not chosen else local_free_port())
+            return chosen[-1]
+
+        local_free_port = local.free_port
+        monkeypatch.setattr(local, "free_port", taken_once_then_free)
+        with start_worker_group(WorkerGroupSpec(world_size=2, mode="local", timeout_s=60)) as group:
+            assert [c.master_port for c in group.contexts()] == [chosen[-1]] * 2 and chosen[-1] != port
+            assert [r["sum"] for r in group.run(all_reduce_rank_values, 1.0)] == [3.0, 3.0]
+        assert len(chosen) == 2
+        assert capfd.readouterr().err.count("rendezvous port taken") == 1
+
+        monkeypatch.setattr(local, "free_port", lambda: chosen.append(port) or port)
+        monkeypatch.setattr(worker_group, "PORT_ATTEMPTS", 2)
+        with pytest.raises(WorkerGroupError) as info:
+            start_worker_group(WorkerGroupSpec(world_size=2, mode="local", timeout_s=60))
+    assert len(chosen) == 4 and info.value.port_taken
+    assert [f.rank for f in info.value.failures if f.kind == "exception"] == [0]
+    assert "EADDRINUSE" in str(info.value) or "address already in use" in str(info.value).lower()
+
+
+def test_other_start_failures_are_not_taken_for_a_taken_port(monkeypatch):
+    """A start that fails for another reason raises at once (no second start)."""
+    import migrate.runtime._local as local
+
+    starts: list[int] = []
+    real = local.free_port
+    monkeypatch.setattr(local, "free_port", lambda: starts.append(1) or real())
+    with pytest.raises(WorkerGroupError) as info:  # Gloo told to use a network interface this host lacks
+        start_worker_group(WorkerGroupSpec(world_size=2, mode="local", timeout_s=60,
+                                           env={"GLOO_SOCKET_IFNAME": "migrate-no-such-nic0"}))
+    assert not info.value.port_taken and len(starts) == 1
+    assert "migrate-no-such-nic0" in str(info.value)
 
 
 def test_processes_a_rank_started_die_with_the_group_also_when_the_rank_died_first(tmp_path):
