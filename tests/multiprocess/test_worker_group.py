@@ -175,10 +175,10 @@ def test_local_mode_runs_the_same_rank_code_and_reports_a_killed_rank():
     _assert_gone(pids)
 
 
-def _listening(port: int = 0) -> socket.socket:
-    """A socket listening on every address at `port` (0: one the kernel picks), as another program's would."""
+def _listening() -> socket.socket:
+    """A socket listening on every address at a port the kernel picks, as another program's would."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("", port))
+    sock.bind(("", 0))
     sock.listen()
     return sock
 
@@ -192,12 +192,12 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_replaced_by_another(mo
     with _listening() as taken:
         port = taken.getsockname()[1]
         chosen: list[int] = []
+        local_free_port = local.free_port
 
         def taken_once_then_free() -> int:
             chosen.append(port if not chosen else local_free_port())
             return chosen[-1]
 
-        local_free_port = local.free_port
         monkeypatch.setattr(local, "free_port", taken_once_then_free)
         with start_worker_group(WorkerGroupSpec(world_size=2, mode="local", timeout_s=60)) as group:
             assert [c.master_port for c in group.contexts()] == [chosen[-1]] * 2 and chosen[-1] != port
