@@ -1,22 +1,20 @@
 """Real HF-Trainer + DeepSpeed checkpoints, made and judged by `transformers.Trainer` itself.
 
 `save_trainer_checkpoint(run, out)` trains a small `LlamaForCausalLM` (built from a config, no download) with
-`Trainer(args=TrainingArguments(deepspeed=<ZeRO config>))` at `run.world_size` processes (torchrun, Gloo on
-CPU) and returns `out/checkpoint-N`; DeepSpeed's own accessors gather, at the end of training (the state the
-checkpoint holds), every parameter's fp32 master and Adam moments into `out/reference.pt`.
+`Trainer(args=TrainingArguments(deepspeed=<ZeRO config>))` at `run.world_size` processes (Gloo on CPU, with the
+environment torchrun gives each process) and returns `out/checkpoint-N` and what DeepSpeed's own accessors
+gather at the end of training (the state the checkpoint holds): every parameter's fp32 master and Adam moments.
 `trainer_resume(run, checkpoint, world_size)` runs `Trainer.train(resume_from_checkpoint=checkpoint)` at another
 world size for one more step and returns what it had restored when that step began (the same gathered
 state, the global step, the DeepSpeed scheduler's position) and the step's loss.
-This file is also the script torchrun runs (`python -m torch.distributed.run ... hf_trainer_fixtures.py`).
+The processes are a local worker group's ranks, forked from the test session's server that imported transformers
+and DeepSpeed once (a torchrun launch imports them in every process, 10-20 s a launch on two loaded cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +80,17 @@ def _gathered(model: Any, engine: Any) -> dict[tuple[str, str], torch.Tensor]:
     return out
 
 
-def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
+# modules a rank imports: the session's fork server imports them once (tests/conftest.py)
+PRELOAD = ("transformers.trainer", "transformers.models.llama.modeling_llama", "deepspeed")
+
+
+def _rank_main(ctx: Any, mode: str, run: TrainerRun, out: str, resume: str | None) -> dict[str, Any] | None:
+    """One rank of the Trainer run, in the process group (Gloo) the worker group joined as torchrun's would;
+    rank 0's result is what `_launch` returns."""
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.set_num_threads(1)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = ctx.rank
     torch.manual_seed(0)
     config = json.loads(run.config) if run.config else {"model_type": "llama", **CONFIG}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
@@ -118,28 +122,19 @@ def _main(mode: str, run: TrainerRun, out: str, resume: str | None) -> None:
         seen.update(state=_gathered(trainer.model, trainer.model_wrapped), global_step=trainer.state.global_step)
     seen["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     seen["train_loss"] = result.training_loss
-    if rank == 0:
-        torch.save(seen, os.path.join(out, f"{mode}.pt"))
+    return seen if rank == 0 else None
 
 
 def _launch(mode: str, run: TrainerRun, world_size: int, out: Path, resume: Path | None = None) -> dict[str, Any]:
+    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
+
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    # --standalone: torchrun's own rendezvous store on a port it binds (no port chosen here that another
-    # process could take before the launch binds it)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           __file__, mode, json.dumps(dataclasses.asdict(run)), str(out),
-           str(resume or "")]
-    result = out / f"{mode}.pt"
-    result.unlink(missing_ok=True)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    # the verdict follows what rank 0 wrote at the end, not the exit code alone: Gloo now and then aborts a
-    # process at exit, after its work is done (as the DeepSpeed fixtures see too)
-    if not result.is_file():
-        raise RuntimeError(f"Trainer {mode} at {world_size} processes failed (rc {done.returncode}):\n"
-                           f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return torch.load(result, weights_only=True)
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false"}
+    spec = WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=600,
+                           preload=PRELOAD)
+    with start_worker_group(spec) as group:
+        return group.run(_rank_main, mode, run, str(out), str(resume) if resume else None)[0]
 
 
 def save_trainer_checkpoint(run: TrainerRun, out: Path) -> tuple[Path, dict[str, Any]]:
@@ -158,7 +153,3 @@ def config_dict() -> dict[str, Any]:
     from transformers import LlamaConfig
 
     return LlamaConfig(**CONFIG).to_dict()
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1], TrainerRun(**json.loads(sys.argv[2])), sys.argv[3], sys.argv[4] or None)
