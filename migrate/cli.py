@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 from typing import Any
 
@@ -13,13 +14,37 @@ import click
 from migrate import __version__
 from migrate.runtime.ray_cluster import RayConnectionError
 
-# Commands with a module of their own (migrate/commands/<name>.py exposing ``command``).
-_COMMAND_MODULES = ("validate", "run", "status", "inspect", "convert")
+# Commands with a module of their own: migrate/commands/<name>.py exposing ``command``; every other stage of
+# migrate.stages.STAGES is a plain stage command.
+_COMMANDS_PACKAGE = "migrate.commands"
 
 
 class _Group(click.Group):
     """The command group; a usage error (a bad option value, a missing argument) or a Ray cluster that cannot be
-    reached is one line on stderr, naming the option or the address and what was expected, with exit code 2."""
+    reached is one line on stderr, naming the option or the address and what was expected, with exit code 2.
+    A command's module is imported when that command runs (``migrate convert`` does not import every stage)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from migrate.stages import STAGES
+
+        modules = {m.name for m in pkgutil.iter_modules(importlib.import_module(_COMMANDS_PACKAGE).__path__)
+                   if not m.name.startswith("_")}
+        return sorted(modules | set(STAGES) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.commands:
+            return self.commands[name]
+        if not name.startswith("_") and importlib.util.find_spec(f"{_COMMANDS_PACKAGE}.{name}") is not None:
+            command: click.Command = importlib.import_module(f"{_COMMANDS_PACKAGE}.{name}").command
+        else:
+            from migrate.commands._common import stage_command
+            from migrate.stages import STAGES
+
+            if name not in STAGES:
+                return None
+            command = stage_command(name, STAGES[name].description)
+        self.add_command(command, name=name)
+        return command
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -50,17 +75,6 @@ def _build() -> click.Group:
         """Move a distributed training job to another cluster and prove nothing changed."""
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from migrate.commands._common import stage_command
-    from migrate.stages import STAGES
-
-    names = list(_COMMAND_MODULES)
-    for name in names:
-        group.add_command(importlib.import_module(f"migrate.commands.{name}").command, name=name)
-    for name, stage in STAGES.items():
-        if importlib.util.find_spec(f"migrate.commands.{name}") is not None and name not in names:
-            group.add_command(importlib.import_module(f"migrate.commands.{name}").command, name=name)
-        elif name not in names:
-            group.add_command(stage_command(name, stage.description), name=name)
     return group
 
 
