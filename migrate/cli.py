@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import pkgutil
 import sys
@@ -19,6 +18,12 @@ from migrate.runtime.ray_cluster import RayConnectionError
 _COMMANDS_PACKAGE = "migrate.commands"
 
 
+def _command_modules() -> set[str]:
+    """The names of the commands with a module of their own (the package's public modules)."""
+    package = importlib.import_module(_COMMANDS_PACKAGE)
+    return {m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")}
+
+
 class _Group(click.Group):
     """The command group; a usage error (a bad option value, a missing argument) or a Ray cluster that cannot be
     reached is one line on stderr, naming the option or the address and what was expected, with exit code 2.
@@ -27,14 +32,12 @@ class _Group(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         from migrate.stages import STAGES
 
-        modules = {m.name for m in pkgutil.iter_modules(importlib.import_module(_COMMANDS_PACKAGE).__path__)
-                   if not m.name.startswith("_")}
-        return sorted(modules | set(STAGES) | set(self.commands))
+        return sorted(_command_modules() | set(STAGES) | set(self.commands))
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.commands:
             return self.commands[name]
-        if not name.startswith("_") and importlib.util.find_spec(f"{_COMMANDS_PACKAGE}.{name}") is not None:
+        if name in _command_modules():
             command: click.Command = importlib.import_module(f"{_COMMANDS_PACKAGE}.{name}").command
         else:
             from migrate.commands._common import stage_command

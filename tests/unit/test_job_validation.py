@@ -149,3 +149,10 @@ def test_help_lists_only_working_commands():
     for name in listed:
         sub = CliRunner().invoke(main, [name, "--help"])
         assert sub.exit_code == 0, f"migrate {name} --help failed: {sub.output}"
+
+
+@pytest.mark.parametrize("name", ["nosuch", "convert.x", "foo.bar", "_common"])
+def test_an_unknown_command_is_one_line_and_exit_2(name):
+    result = CliRunner().invoke(main, [name])
+    assert result.exit_code == 2, result.exception  # a dotted name once reached importlib: a traceback, exit 1
+    assert f"No such command '{name}'" in result.output
