@@ -15,7 +15,8 @@ Call sequence (coordinator = the caller of `execute`; what touches the destinati
    the copies go on. Every write returns the CRC-32 of its bytes, taken while they are in the CPU's
    cache: a file's CRC (and an in-place file's zip record CRCs) combines those, so what was written is
    not read back;
-3. coordinator: let the writer add files that describe the others (`Writer.finalize`, optional: e.g.
+3. coordinator: write the files that describe the others: those the target plans from values
+   (`TargetSpec.described`: Megatron's common.pt) and the writer's own (`Writer.finalize`, optional: e.g.
    DCP's `.metadata`, which needs every data file's byte offsets), then write `manifest.json`
    (files, sizes, CRC-32), then the files a loader starts from (`TargetSpec.commit`: DeepSpeed's
    `latest`, DCP's `.metadata`, ...), each fsynced, and remove the in-progress marker
@@ -111,19 +112,23 @@ def _write_files(plan: ConversionPlan, writer: Writer, dest: Path, storage: Stor
 
 def _describe(plan: ConversionPlan, writer: Writer, dest: Path, storage: Storage, records: list[FileRecord],
               commit: frozenset[str]) -> tuple[list[FileRecord], list[CommitFile]]:
-    """Step 3: the files that describe the others (`Writer.finalize`, written now unless they are commit
-    files) and the commit files' bytes; every record for the manifest, commit files included."""
+    """Step 3: the files that describe the others (`TargetSpec.described`, assembled from their values, and
+    `Writer.finalize`'s; written now unless they are commit files) and the commit files' bytes; every record
+    for the manifest, commit files included."""
     meta = plan.target.index.meta
     commit_files = [CommitFile(path=f.path, data=_commit_bytes(writer.assemble(f, {}, meta), f.path))
-                    for f in plan.target.files if f.path in commit]
+                    for f in (*plan.target.files, *plan.target.described) if f.path in commit]
+    described: dict[str, Any] = {f.path: writer.assemble(f, {}, meta) for f in plan.target.described
+                                 if f.path not in commit}
     finalize = getattr(writer, "finalize", None)
-    described: dict[str, Any] = {}
     if finalize is not None:
         for rel, payload in finalize(records, meta).items():
             if rel in commit:
                 commit_files.append(CommitFile(path=rel, data=_commit_bytes(payload, rel)))
             else:
                 described[rel] = payload
+    order = {path: i for i, path in enumerate(plan.target.commit)}
+    commit_files.sort(key=lambda c: order[c.path])  # in the order the target lists them: its commit point last
     records = [FileRecord(path=r.path, nbytes=r.nbytes, crc32=r.crc32) for r in records]
     records += storage.write(dest, described) if described else []
     records += [FileRecord(path=c.path, nbytes=len(c.data), crc32=f"{crc32(c.data):08x}") for c in commit_files]
@@ -143,7 +148,7 @@ def plan_id(plan: ConversionPlan, writer: Writer) -> str:
             h.update(f"{rel}\0missing\n".encode())
     h.update(repr((plan.source.root, plan.source.format, plan.target.index.format, type(writer).__qualname__,
                    plan.target.commit, plan.target_chunks)).encode())
-    for f in plan.target.files:
+    for f in (*plan.target.files, *plan.target.described):
         h.update(repr(f).encode())
     h.update(repr(sorted(plan.target.index.meta.items(), key=lambda kv: kv[0])).encode())
     return h.hexdigest()

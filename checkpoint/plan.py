@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.errors import PlanError
+from checkpoint.errors import CheckpointFormatError, PlanError
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_size
 from checkpoint.overlap import box_as_flat_range, box_overlap, box_range_pieces, global_flat_range, range_overlap
 
@@ -34,14 +34,61 @@ class TargetBuffer:
         return math.prod(self.shape) * dtype_size(self.dtype)
 
 
+class ValueRole(enum.StrEnum):
+    """What a planned value (not a tensor chunk) is to the target's loader."""
+
+    STEP = "step"  # Adam's per-parameter step derived from a per-group one (a 0-d tensor)
+    RNG = "rng"  # random-generator states
+    COMMON = "common"  # the run's shared state: iteration, param groups, scheduler, FLOP count, ours
+    ARGS = "args"  # the training arguments (Megatron-LM's args)
+    OBJECT = "object"  # any other stored value: a train state, a dataloader position, a module's extra state
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceBytes:
+    """A stored value copied byte for byte: `length` bytes at `offset` of the source file `path` (absolute)."""
+
+    path: str
+    offset: int
+    length: int
+
+    def read(self) -> bytes:
+        """The bytes; raises CheckpointFormatError when the file ends before `offset + length`."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.length)
+        if len(data) != self.length:
+            raise CheckpointFormatError(f"{self.path}: a stored value at byte {self.offset} is truncated: "
+                                        f"{len(data)} of {self.length} bytes")
+        return data
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ValueItem:
+    """A value a target file stores at `key` that is not a tensor chunk, planned as DCP's planner plans a
+    BYTE_IO item: given (`value`: a Python object, or a whole tensor) or copied from a source (`copy`).
+    Compared by identity (values may be unhashable)."""
+
+    key: KeyPath
+    role: ValueRole
+    value: Any = None
+    copy: SourceBytes | None = None
+
+    def __repr__(self) -> str:
+        held = f"copy={self.copy!r}" if self.copy is not None else f"value={self.value!r}"
+        return f"ValueItem(key={self.key!r}, role={self.role.value}, {held})"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetFile:
-    """One file the writer produces: path relative to the destination, writer-defined role, rank."""
+    """One file the writer produces: path relative to the destination, writer-defined role, rank, the tensor
+    buffers the plan fills and the values it stores beside them."""
 
     path: str
     role: str
     rank: int | None
     buffers: tuple[TargetBuffer, ...] = ()
+    values: tuple[ValueItem, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -70,12 +117,16 @@ class TargetSpec:
 
     `commit`: the relative paths of the files a loader starts from (DeepSpeed's `latest`, DCP's `.metadata`,
     Megatron's `metadata.json`), among `files` or the writer's `finalize` output; the executor writes them
-    last, after every other file and the manifest, so a crash never leaves one pointing at missing data.
+    last, after every other file and the manifest, in this order, so a crash never leaves one pointing at
+    missing data.
+    `described`: files the coordinator writes from their values once every worker returned, on every node
+    (Megatron's `common.pt` and tracker); not among `files`, whose workers write them on their rank's node.
     """
 
     index: CheckpointIndex
     files: tuple[TargetFile, ...]
     commit: tuple[str, ...] = ()
+    described: tuple[TargetFile, ...] = ()
     write_mode: WriteMode = WriteMode.IN_MEMORY
 
 
@@ -397,6 +448,10 @@ def summarize(plan: ConversionPlan, *, per_rank: bool = False) -> str:
              f"{len(plan.target.files)} files; read {_fmt(sum(s.bytes_read for s in summaries))}, write "
              f"{_fmt(sum(s.bytes_written for s in summaries))}"]
     lines += _rank_lines(summaries, per_rank)
+    roles = [v.role.value for f in (*plan.target.files, *plan.target.described) for v in f.values]
+    if roles:
+        counts = ", ".join(f"{role} {roles.count(role)}" for role in dict.fromkeys(roles))
+        lines.append(f"  {len(roles)} values beside the tensors ({counts})")
     dropped = sorted({str(e.key.kind) for e in plan.source.entries} - {str(e.key.kind) for e in plan.target.index.entries})
     if dropped:
         lines.append(f"  source kinds not in the target format: {', '.join(dropped)}")

@@ -34,19 +34,19 @@ from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanError
 from checkpoint.io.sources import BYTE_RANGE, load_range
 from checkpoint.write import FileRecord, StreamPayload
-from checkpoint.formats.adam_step import STEP_DTYPE, derived_step, step_tensor
+from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, refuse_frozen_params,
                                      refuse_tied_embeddings)
 from checkpoint.formats.dcp_layout import (DCPLayout, find_layout, optimizer_item, optimizer_roots, param_groups,
                                            param_name)
-from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
+from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata, placed_values, save_values
 from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name, dtype_size,
                               is_optimizer_state, state_kind)
 from checkpoint.paths import inside
 from checkpoint.state.optimizer_state import refuse_split_state
 from checkpoint.state.training_state import (CLIENT_STATE_KEY, COUNTERS, STATE_REPORT_FILE, StateEntry,
                                              our_client_state, report_dict)
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole, WriteMode
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -442,20 +442,16 @@ def dcp_target(source: CheckpointIndex, *, world: int, layout: str = "nested") -
     values, note = _dataloader_at(_values_from(source, names, layout), world)
     report = state_report(source, values, note, world)
     step = derived_step(source)  # a source with Adam's step per param group (Megatron): one per param here
-    derived = [] if step is None else [[list(fqn_path(TensorKey(name=n, kind=Kind.STEP), layout)), step]
-                                       for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
-    flat = _flatten(values, ())
-    # tensors among the values (torchtitan's train_state.step) stay tensors: whole, in rank 0's file
-    value_tensors: list[list[Any]] = [[list(p), v] for p, v in flat if isinstance(v, torch.Tensor)]
+    derived = [] if step is None else [
+        ValueItem(key=fqn_path(TensorKey(name=n, kind=Kind.STEP), layout), role=ValueRole.STEP, value=step_tensor(step))
+        for n in names if TensorKey(name=n, kind=Kind.EXP_AVG) in src]
+    # the train state's values (tensors among them, as torchtitan's train_state.step, stay whole tensors)
+    stored = [ValueItem(key=tuple(p), role=ValueRole.OBJECT, value=v) for p, v in _flatten(values, ())]
     meta = {"dp": world, "dtype": "float32", "global_steps": source.meta.get("global_steps"),
-            "values": [[list(p), v] for p, v in flat if not isinstance(v, torch.Tensor)],
-            "tensors": [[list(fqn_path(e.key, layout)), list(e.shape), e.dtype] for e in entries]
-            + [[path, [], STEP_DTYPE] for path, _ in derived]
-            + [[path, list(t.shape), dtype_name(t.dtype)] for path, t in value_tensors],
-            "derived_steps": derived + value_tensors, "whole_tensors": [_fqn(p) for p, _ in derived + value_tensors],
+            "tensors": [[list(fqn_path(e.key, layout)), list(e.shape), e.dtype] for e in entries],
             "dcp_layout": layout, "state_report": report, **({"start_note": note} if note else {})}
-    files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]))
-             for r in range(world)]
+    files = [TargetFile(path=data_file(r), role="data", rank=r, buffers=tuple(buffers[data_file(r)]),
+                        values=tuple(derived + stored) if r == 0 else ()) for r in range(world)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries),
                             files=(METADATA, *(f.path for f in files)), meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=(METADATA,), write_mode=WriteMode.STREAMING)
@@ -470,43 +466,28 @@ class DCPWriter:
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role != "data":
             raise PlanError(f"DCP writer: unknown file role {file.role!r} for {file.path}")
-        values = meta["values"] if file.rank == 0 else []
 
-        def write(stream: BinaryIO) -> list[tuple[str, Any, int, int]]:
-            placed: list[tuple[str, Any, int, int]] = []
+        def write(stream: BinaryIO) -> dict[str, list[list[Any]]]:
+            chunks: list[list[Any]] = []
             for b in file.buffers:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)
-                placed.append((b.key[1], list(b.key[2]), start, stream.tell() - start))
-            for path, step in meta.get("derived_steps", []) if file.rank == 0 else []:
-                start = stream.tell()
-                tensor = step if isinstance(step, torch.Tensor) else step_tensor(step)
-                torch.save(tensor, stream)
-                placed.append((_fqn(path), [0] * tensor.dim(), start, stream.tell() - start))
-            for path, value in values:
-                start = stream.tell()
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                stream.write(buf.getbuffer())
-                placed.append((_fqn(path), None, start, stream.tell() - start))
-            return placed
+                chunks.append([b.key[1], list(b.key[2]), list(b.shape), start, stream.tell() - start])
+            return {"chunks": chunks, "values": save_values(stream, file.values, _fqn)}
 
         return StreamPayload(write=write)
 
     def finalize(self, records: Sequence[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
         tensors = {_fqn(p): (tuple(s), dt) for p, s, dt in meta["tensors"]}
-        planner = {_fqn(p): tuple(p) for p, *_ in (*meta["tensors"], *meta["values"])}
-        whole = set(meta.get("whole_tensors", ()))
-
-        def box(fqn: str, offsets: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-            shape = tensors[fqn][0]
-            sizes = shape if fqn in whole else next(
-                lens for _, offs, lens in dim0_pieces(shape, meta["dp"]) if list(offs) == offsets)
-            return tuple(offsets), tuple(sizes)
-
-        placed = [PlacedItem(fqn=fqn, file=rec.path, offset=start, length=length,
-                             box=None if offsets is None else box(fqn, offsets))
-                  for rec in records for fqn, offsets, start, length in rec.extra or ()]
+        planner = {_fqn(p): tuple(p) for p, *_ in meta["tensors"]}
+        placed = [PlacedItem(fqn=fqn, file=rec.path, offset=start, length=length, box=(tuple(offsets), tuple(sizes)))
+                  for rec in records for fqn, offsets, sizes, start, length in (rec.extra or {}).get("chunks", ())]
+        for rec in records:
+            rows = (rec.extra or {}).get("values", ())
+            values, whole = placed_values(rows, rec.path)
+            placed += values
+            tensors |= whole
+            planner |= {fqn: tuple(path) for fqn, path, *_ in rows}
         md = build_metadata(placed, tensors, planner_data=planner, save_id=str(uuid.uuid4()))
         files = {STATE_REPORT_FILE: json.dumps(meta["state_report"], indent=1).encode()} if meta.get("state_report") else {}
         return files | {METADATA: pickle.dumps(md)}  # .metadata last: DCP's commit point

@@ -60,3 +60,43 @@ def build_metadata(items: Iterable[PlacedItem], tensors: Mapping[str, tuple[tupl
     if save_id is not None:
         kwargs["storage_meta"] = StorageMeta(checkpoint_id=None, save_id=save_id, load_id=None)
     return Metadata(state_dict_metadata=declared, storage_data=storage, **kwargs)
+
+
+def save_values(stream: Any, values: Iterable[Any], fqn: Any) -> list[list[Any]]:
+    """Write each of `values` (`checkpoint.plan.ValueItem`) at the end of `stream` as DCP's `FileSystemWriter`
+    writes a state dict's items: a whole tensor `torch.save`d in place, any other value `torch.save`d to bytes,
+    a copied value verbatim. One JSON-able row per item, for the coordinator's `.metadata`:
+    [fqn (`fqn(key)`), state-dict path, start, length, shape or None, dtype name or None] (shape and dtype for
+    tensors)."""
+    import io
+
+    import torch
+
+    rows: list[list[Any]] = []
+    for item in values:
+        start = stream.tell()
+        shape = dtype = None
+        if item.copy is not None:
+            stream.write(item.copy.read())
+        elif isinstance(item.value, torch.Tensor):
+            torch.save(item.value, stream)
+            shape, dtype = list(item.value.shape), str(item.value.dtype).removeprefix("torch.")
+        else:
+            buf = io.BytesIO()
+            torch.save(item.value, buf)
+            stream.write(buf.getbuffer())
+        rows.append([fqn(item.key), list(item.key), start, stream.tell() - start, shape, dtype])
+    return rows
+
+
+def placed_values(rows: Iterable[list[Any]], file: str) -> tuple[list[PlacedItem], dict[str, tuple[tuple[int, ...],
+                                                                                                      str]]]:
+    """The items `save_values` wrote in `file` (its rows), and the global (shape, dtype) of those that are
+    whole tensors (one chunk at offset 0), for `build_metadata`."""
+    placed, tensors = [], {}
+    for fqn, _, start, length, shape, dtype in rows:
+        box = None if shape is None else ((0,) * len(shape), tuple(shape))
+        placed.append(PlacedItem(fqn=fqn, file=file, offset=start, length=length, box=box))
+        if shape is not None:
+            tensors[fqn] = (tuple(shape), dtype)
+    return placed, tensors

@@ -43,7 +43,7 @@ from checkpoint.formats.hf_trainer import (is_trainer_folder, new_trainer_state,
 from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name,
                               state_kind)
 from checkpoint.paths import tag_name
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole, WriteMode
 from checkpoint.state.rng import roles
 from checkpoint.state.optimizer_state import StateShape, refuse_split_state, state_entries, state_kinds
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE, convert_model_state, report_dict
@@ -769,14 +769,17 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                             "master_numels": list(master_numels), "partition_size": padded, "padding": fg.padding,
                             "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
     model_state, state_report = target_training_state(m, dp=dp, zero_stage=zero_stage)
-    # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, written by the
-    # writer itself, so the optimizer files are assembled in memory (the in-place path only copies buffers)
+    # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, one per flat group
+    # in each rank's file, planned as a value, so the optimizer files are assembled in memory (the in-place
+    # path only copies buffers)
     step = None if Kind.STEP in scalar_kinds else derived_step(source)
+    steps = () if step is None else tuple(
+        ValueItem(key=_state_path(zero_stage, gid, Kind.STEP), role=ValueRole.STEP, value=step_tensor(step))
+        for gid in range(len(flat_groups)))
     meta = {**m, "model_state": model_state, "state_report": state_report,
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups,
             "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
-            "scalar_kinds": [str(k) for k in scalar_kinds],
-            "derived_step": step}
+            "scalar_kinds": [str(k) for k in scalar_kinds]}
     if m.get("hf_trainer"):
         meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
     files = [TargetFile(path="latest", role="latest", rank=None)]
@@ -785,7 +788,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     files += [TargetFile(path=mf, role="model_states", rank=(r if zero_stage == 3 else None),
                          buffers=tuple(buffers.get(mf, ()))) for r, mf in enumerate(model_files)]
     files += [TargetFile(path=optim_file(tag, r, bf16), role="optim_states", rank=r,
-                         buffers=tuple(buffers[optim_file(tag, r, bf16)])) for r in range(dp)]
+                         buffers=tuple(buffers[optim_file(tag, r, bf16)]), values=steps) for r in range(dp)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=("latest",),
@@ -978,11 +981,12 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters = []
     groups_hp = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
+    derived = {item.key: item.value for item in file.values if item.role is ValueRole.STEP}
     for gid, fg in enumerate(meta["flat_groups"]):
         masters.append(buffers[_master_path(stage, gid)])
         st: dict[str, Any] = {}  # torch's order: the scalars (step) first, then the tensors as the source had them
-        if meta.get("derived_step") is not None:
-            st["step"] = step_tensor(meta["derived_step"])
+        if (step_path := _state_path(stage, gid, Kind.STEP)) in derived:
+            st["step"] = derived[step_path]
         for kind in meta["scalar_kinds"]:
             st[kind] = step_as_stored(buffers[_state_path(stage, gid, kind)])
         for kind in meta["state_kinds"]:

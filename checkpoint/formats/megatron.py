@@ -41,13 +41,13 @@ from checkpoint.io.sources import BYTE_RANGE, load_range
 from checkpoint.write import FileRecord, StreamPayload
 from checkpoint.formats.base import refuse_frozen_params, refuse_shared_params
 from checkpoint.formats.dcp import check_data_files, storage_by_index
-from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata
+from checkpoint.formats.dcp_metadata import PlacedItem, build_metadata, placed_values, save_values
 from checkpoint.formats.hf_config import ModelFields, fields_from_hf_config, fields_from_model_shape
 from checkpoint.formats.megatron_args import (args_summary, arch_from_args, grad_bucket_size, layout_from_args,
                                               overrides, synthesized_args, target_args, vocab_is_padded)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name, dtype_size
 from checkpoint.layout import PIPELINE_STAGE_FIELDS, OptimizerSharding, ParallelLayout
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.plan import SourceBytes, TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole, WriteMode
 from checkpoint.state.rng import (MEGATRON_RNG_KEY, expand_megatron_rng, from_megatron, megatron_rng_objects,
                                   role_from_dict, roles, to_megatron)
 from checkpoint.state.optimizer_state import refuse_unplaced_state
@@ -705,11 +705,10 @@ def _rng_from_metadata(md: Any, storage: Mapping[tuple[str, tuple[int, ...]], An
 
 
 def target_training_state(m: Mapping[str, Any], layout: ParallelLayout) -> dict[str, Any]:
-    """Writer meta for the target's training state: `common` with ours converted (data position for the
-    target DP, counters carried), `rng_objects` ([pp, tp, states] per target `rng_state` object, each
-    rank's state carried / copied from a DP peer / derived by `checkpoint.state.rng`'s policy) and the
-    `state_report` (policy and reason per state). Pure; raises DataPositionError on inconsistent
-    per-rank positions."""
+    """The target's training state: `common` with ours converted (data position for the target DP, counters
+    carried), `rng` ({(pp rank, tp rank): states} per target `rng_state` object, each rank's state carried /
+    copied from a DP peer / derived by `checkpoint.state.rng`'s policy) and the `state_report` (policy and
+    reason per state). Pure; raises DataPositionError on inconsistent per-rank positions."""
     common = dict(m["common"])
     ours = dict(common.get("migrate") or {})
     client = {k: v for k, v in ours.items() if k not in ("model", "layout")}
@@ -721,14 +720,11 @@ def target_training_state(m: Mapping[str, Any], layout: ParallelLayout) -> dict[
     converted, report = convert_model_state({CLIENT_STATE_KEY: client, **counters}, target_roles)
     new = dict(converted[CLIENT_STATE_KEY])
     states, saved_roles = new.pop("rng", None), new.pop("roles", None)
-    rng_objects = []
-    if states is not None:
-        grid = megatron_rng_objects(states, [role_from_dict(r) for r in saved_roles])
-        rng_objects = [[pp_rank, tp_rank, grid[(pp_rank, tp_rank)]] for pp_rank, tp_rank in sorted(grid)]
+    grid = {} if states is None else megatron_rng_objects(states, [role_from_dict(r) for r in saved_roles])
     common["migrate"] = {**new, **{k: ours[k] for k in ("model",) if k in ours}}
     src = f"megatron tp={m.get('tp')} pp={m.get('pp')} dp={m.get('dp')} ep={m.get('ep')}"
     dst = f"megatron tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}"
-    return {"common": common, "rng_objects": rng_objects, "rng_grid": [layout.pp, layout.tp],
+    return {"common": common, "rng": dict(sorted(grid.items())),
             "state_report": report_dict(report, source=src, target=dst) if client else None}
 
 
@@ -1084,19 +1080,54 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
     out = []
     for key, chunks in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind))):
         out.append(TensorEntry(key=key, shape=shapes[key.name], dtype=entry_dtype[key], chunks=tuple(chunks)))
-    files = tuple(TargetFile(path=f"{it}/__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
-                  for r in sorted(per_rank))
     if m.get("opt_param_scheduler") is not None:  # a legacy source keeps it beside its common state
         state["common"].setdefault("opt_param_scheduler", m["opt_param_scheduler"])
-    state["common"] = target_common(state["common"], arch, layout, chained=chained)
+    common = target_common(state["common"], arch, layout, chained=chained)
     groups = [] if pretrained else target_optimizer_groups(m["optimizer_groups"], chained=chained)
-    meta = {**m, "optimizer_groups": groups, "per_layer_keys": per_layer,
-            "target_tp": tp, "target_layout": layout.to_dict(), "sharding": "fully_reshardable",
-            "source_root": source.root, "dcp_tensors": dcp_tensors, "objects_file": files[0].path,
-            "iteration_dir": it, **state}
+    files = [TargetFile(path=f"{it}/__{r}_0.distcp", role="distcp", rank=r, buffers=tuple(per_rank[r]))
+             for r in sorted(per_rank)]
+    # the ShardedObjects (copied, or synthesized for other formats' sources) and RNG states: in the first file
+    files[0] = dataclasses.replace(files[0], values=stored_objects(m, source.root, state["rng"], layout))
+    common_file = TargetFile(path=f"{it}/common.pt", role="common", rank=None, values=(
+        ValueItem(key=(), role=ValueRole.COMMON, value=saved_common(common, groups, layout)),))
+    tracker = TargetFile(path=TRACKER_FILE, role="tracker", rank=None,
+                         values=(ValueItem(key=(), role=ValueRole.COMMON, value=tracker_text(common)),))
+    meta = {**{k: v for k, v in m.items() if k not in _VALUE_META}, "optimizer_groups": groups,
+            "per_layer_keys": per_layer, "target_tp": tp, "target_layout": layout.to_dict(),
+            "sharding": "fully_reshardable", "dcp_tensors": dcp_tensors, "iteration_dir": it, "common": common,
+            "state_report": state["state_report"]}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
-    return TargetSpec(index=index, files=files, commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE),
-                      write_mode=WriteMode.STREAMING)
+    # Megatron-LM's commit point, the tracker, last; DCP's (.metadata) before it
+    return TargetSpec(index=index, files=tuple(files), described=(common_file, tracker), write_mode=WriteMode.STREAMING,
+                      commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE))
+
+
+_VALUE_META = ("objects", "new_objects")  # a source's stored objects, planned as value items of the target
+
+
+def stored_objects(m: Mapping[str, Any], source_root: str, rng: Mapping[tuple[int, int], Any],
+                   layout: ParallelLayout) -> tuple[ValueItem, ...]:
+    """The torch_dist target's non-tensor items: the ShardedObjects synthesized for other formats' sources
+    (`new_objects`: [fqn, value]), those copied byte for byte from a torch_dist source (`objects`: [fqn,
+    file, offset, length]) and one Megatron-LM `rng_state` object per (pp, tp) rank of `layout` (`rng`)."""
+    return (*(ValueItem(key=(fqn,), role=ValueRole.OBJECT, value=value) for fqn, value in m.get("new_objects", ())),
+            *(ValueItem(key=(fqn,), role=ValueRole.OBJECT, copy=SourceBytes(path=str(Path(source_root) / file),
+                                                                          offset=offset, length=length))
+              for fqn, file, offset, length in m.get("objects", ())),
+            *(ValueItem(key=(f"{MEGATRON_RNG_KEY}/shard_{pp_rank}.{tp_rank}_{layout.pp}.{layout.tp}",),
+                        role=ValueRole.RNG, value=[[to_megatron(st) for st in states]])
+              for (pp_rank, tp_rank), states in rng.items()))
+
+
+def saved_common(common: Mapping[str, Any], groups: list[Any], layout: ParallelLayout) -> dict[str, Any]:
+    """What the target's common.pt holds: its common state with our layout record and, but for a pretrained
+    start (no `groups`), the optimizer's param groups as Megatron-Core's fully reshardable save keeps them."""
+    out = dict(common)
+    out["migrate"] = {**dict(out.get("migrate") or {}), "layout": layout.to_dict()}
+    per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in groups]
+    if per:
+        out["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
+    return out
 
 
 def param_dtypes(source: CheckpointIndex, arch: ModelShape, default: str) -> dict[str, str]:
@@ -1213,38 +1244,22 @@ class MegatronWriter:
     one box, never a rank's file."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role == "common":
+            buf = io.BytesIO()
+            torch.save(file.values[0].value, buf)
+            return buf.getvalue()
+        if file.role == "tracker":
+            return file.values[0].value
         if file.role != "distcp":
             raise PlanError(f"Megatron writer: unknown file role {file.role!r} for {file.path}")
 
-        def write(stream: Any) -> list[tuple[Any, ...]]:  # (fqn, box offsets | None, box sizes | None, start, n)
-            placed: list[tuple[Any, ...]] = []
+        def write(stream: Any) -> dict[str, list[list[Any]]]:
+            chunks: list[list[Any]] = []  # [fqn, box offsets, box sizes, start, length]
             for b in file.buffers:
                 start = stream.tell()
                 torch.save(buffers[b.key], stream)
-                placed.append((b.key[0], tuple(b.key[1:]), tuple(b.shape), start, stream.tell() - start))
-            first = file.path == meta.get("objects_file", file.path)
-            objects = meta["objects"] if first else []
-            for fqn, value in meta.get("new_objects", []) if first else []:  # synthesized (other formats' sources)
-                start = stream.tell()
-                torch.save(value, stream)
-                placed.append((fqn, None, None, start, stream.tell() - start))
-            for fqn, src_file, offset, length in objects:
-                with open(Path(meta["source_root"]) / src_file, "rb") as f:
-                    f.seek(offset)
-                    data = f.read(length)
-                if len(data) != length:
-                    raise CheckpointFormatError(f"{meta['source_root']}/{src_file}: object {fqn} truncated")
-                start = stream.tell()
-                stream.write(data)
-                placed.append((fqn, None, None, start, length))
-            if file.path == meta.get("objects_file", file.path):  # Megatron-LM's rng_state objects
-                pp, tp = meta.get("rng_grid", (1, 1))
-                for pp_rank, tp_rank, states in meta.get("rng_objects", ()):
-                    start = stream.tell()
-                    torch.save([[to_megatron(st) for st in states]], stream)
-                    placed.append((f"{MEGATRON_RNG_KEY}/shard_{pp_rank}.{tp_rank}_{pp}.{tp}", None, None, start,
-                                   stream.tell() - start))
-            return placed
+                chunks.append([b.key[0], list(b.key[1:]), list(b.shape), start, stream.tell() - start])
+            return {"chunks": chunks, "values": save_values(stream, file.values, lambda key: key[0])}
 
         return StreamPayload(write=write)
 
@@ -1254,25 +1269,21 @@ class MegatronWriter:
 
         tensors = {k: (tuple(shape), dt) for k, shape, dt in meta["dcp_tensors"]}
         it = meta["iteration_dir"]
-        placed = [PlacedItem(fqn=fqn, file=rec.path.removeprefix(f"{it}/"), offset=start, length=length,
-                             box=None if offsets is None else (tuple(offsets), tuple(sizes)))
-                  for rec in records for fqn, offsets, sizes, start, length in rec.extra or ()]
+        placed = []
+        for rec in records:
+            file = rec.path.removeprefix(f"{it}/")
+            placed += [PlacedItem(fqn=fqn, file=file, offset=start, length=length, box=(tuple(offsets), tuple(sizes)))
+                       for fqn, offsets, sizes, start, length in (rec.extra or {}).get("chunks", ())]
+            values, whole = placed_values((rec.extra or {}).get("values", ()), file)
+            placed += values
+            tensors |= whole
         planner = {k: (k,) for k in (*tensors, *(p.fqn for p in placed))}
         md = build_metadata(placed, tensors, planner_data=planner, save_id=str(uuid.uuid4()))
-        common = dict(meta["common"])
-        common["migrate"] = {**dict(common.get("migrate") or {}), "layout": meta["target_layout"]}
-        per = [{"optimizer": g, "param_state_sharding_type": "fully_reshardable"} for g in meta["optimizer_groups"]]
-        if per:  # a pretrained start (weights only) has no optimizer entry
-            common["optimizer"] = per[0] if len(per) == 1 else dict(enumerate(per))
-        buf = io.BytesIO()
-        torch.save(common, buf)
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}
-        files: dict[str, bytes | str] = {f"{it}/.metadata": pickle.dumps(md), f"{it}/common.pt": buf.getvalue(),
-                                         f"{it}/metadata.json": json.dumps(backend)}
+        files: dict[str, bytes | str] = {f"{it}/.metadata": pickle.dumps(md), f"{it}/metadata.json": json.dumps(backend)}
         if meta.get("state_report"):
             files[STATE_REPORT_FILE] = json.dumps(meta["state_report"], indent=1).encode()
-        files[TRACKER_FILE] = tracker_text(meta["common"])  # last: Megatron-LM's commit point
         return files
 
 

@@ -43,7 +43,7 @@ from checkpoint.formats.megatron import (FORMAT as DIST_FORMAT, LEGACY_FORMAT, T
                                          target_training_state, target_vpp)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey, dtype_name
 from checkpoint.layout import PIPELINE_STAGE_FIELDS, OptimizerSharding, ParallelLayout
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole
 from checkpoint.model_shape import ModelShape
 from checkpoint.rules.megatron import (SWIGLU_ARCHITECTURES, canonical_tensors, expert_range, held_layers,
                                        pipeline_stage_layers, stored_rules)
@@ -472,40 +472,40 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
     state = target_training_state(m, layout)
     iteration = int(state["common"].get("iteration") or 0)
     it = iteration_dir_name(iteration)
+    optimizer_groups = target_optimizer_groups(m["optimizer_groups"], chained=chained)
+    args = legacy_args(arch, layout, as_mapping(m["common"].get("args")) or m.get("args"), iteration=iteration,
+                       dtype=dtype)
     entries: dict[TensorKey, list[ChunkRef]] = defaultdict(list)
     entry_dtype: dict[TensorKey, str] = {}  # a weight's dtype (optimizer state is fp32)
     files = []
-    rank_meta = {}
     for t in range(tp):
         for p in range(pp):
             for e in range(ep):
                 rel = f"{it}/{rank_dir(tp_rank=t, pp_rank=p, ep_rank=e, pp=pp, ep=ep)}"
                 writer = layout.rank_of(tp=t, dp=e, pp=p)  # DP rank e: the (expert) DP rank 0 of EP rank e
-                model_bufs, chunk_names = [], []
+                model_bufs = []
                 for v in range(vpp):
                     mkey = "model" if vpp == 1 else f"model{v}"
-                    names = []
                     chunk = local_params(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p, ep_rank=e,
                                          vp_stage=v, **layout.pipeline_split)
                     chunk += local_buffers(arch, tp=tp, pp=pp, vpp=vpp, tp_rank=t, pp_rank=p, vp_stage=v,
                                            **layout.pipeline_split)
                     for name, lp in chunk:
                         model_bufs.append(TargetBuffer(key=(mkey, name), shape=lp.shape, dtype=dtypes[lp.rule.key]))
-                        names.append(name)
                         for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{MODEL_FILE}", (mkey, name)):
                             entries[TensorKey(name=cname, kind=Kind.PARAM)].append(ref)
                             entry_dtype[TensorKey(name=cname, kind=Kind.PARAM)] = dtypes[lp.rule.key]
-                    chunk_names.append([mkey, names])
+                rng = state["rng"].get((p, t))
                 files.append(TargetFile(path=f"{rel}/{MODEL_FILE}", role="model", rank=writer,
-                                        buffers=tuple(model_bufs)))
+                                        buffers=tuple(model_bufs), values=model_file_values(
+                                            state["common"], args=args, optimizer_groups=optimizer_groups,
+                                            scheduler=m.get("opt_param_scheduler"), layout=layout,
+                                            rng=None if rng is None else [to_megatron(st) for st in rng])))
                 optim_bufs: list[TargetBuffer] = []
-                layout_meta: list[Any] = []
                 for chain in (0, 1) if chained else (0,):
                     experts = chain == 1
                     if chained and not experts and e != 0:
-                        layout_meta.append(None)
                         continue
-                    per_gbuf = []
                     buffers = grad_buffers(arch, dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=t, pp_rank=p,
                                            ep_rank=e, experts=experts, **layout.pipeline_split)
                     for g, (param_dtype, params, _) in enumerate(buffers):
@@ -518,25 +518,45 @@ def megatron_legacy_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1,
                             for lp, start in placed:
                                 for cname, ref in _canonical_chunks(arch, lp, f"{rel}/{OPTIM_FILE}", key, start):
                                     entries[TensorKey(name=cname, kind=kind)].append(ref)
-                        per_gbuf.append((numel, dkey))
-                    layout_meta.append(per_gbuf)
                 files.append(TargetFile(path=f"{rel}/{OPTIM_FILE}", role="distrib_optim", rank=writer,
                                         buffers=tuple(optim_bufs)))
-                rank_meta[rel] = {"chunks": chunk_names, "optim": layout_meta, "tp_rank": t, "pp_rank": p}
     shapes = dict(canonical_tensors(arch))
     out = [TensorEntry(key=k, shape=shapes[k.name], dtype=entry_dtype.get(k, "float32"), chunks=tuple(c))
            for k, c in sorted(entries.items(), key=lambda kv: (kv[0].name, str(kv[0].kind)))]
     if state.get("state_report"):  # what the conversion did with each training state, for the resume stage
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
-    files.append(TargetFile(path=TRACKER_FILE, role="tracker", rank=None))
-    meta = {"arch": arch.tensor_fields(), "tp": tp, "pp": pp, "dp": dp,
-            "ep": ep, "vpp": vpp, **layout.pipeline_split, "chained": chained, "ranks": rank_meta,
-            "optimizer_groups": target_optimizer_groups(m["optimizer_groups"], chained=chained),
-            "args": legacy_args(arch, layout, as_mapping(m["common"].get("args")) or m.get("args"),
-                                iteration=iteration, dtype=dtype),
-            "opt_param_scheduler": m.get("opt_param_scheduler"), "source_root": source.root, **state}
+    files.append(TargetFile(path=TRACKER_FILE, role="tracker", rank=None,
+                            values=(ValueItem(key=(), role=ValueRole.COMMON, value=tracker_text(state["common"])),)))
+    meta = {"arch": arch.tensor_fields(), "tp": tp, "pp": pp, "dp": dp, "ep": ep, "vpp": vpp,
+            **layout.pipeline_split, "chained": chained, "state_report": state["state_report"]}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=(TRACKER_FILE,))
+
+
+def model_file_values(common: Mapping[str, Any], *, args: Any, optimizer_groups: list[Any], scheduler: Any,
+                      layout: ParallelLayout, rng: list[Any] | None) -> tuple[ValueItem, ...]:
+    """What a rank's `model_optim_rng.pt` holds beside its weights, as Megatron-LM's `save_checkpoint` writes
+    it: args, checkpoint version, iteration, the optimizer's param groups (without param ids), the scheduler,
+    the rank's `rng_state` (when carried), the FLOP count and our record of the layout."""
+    groups = [{"optimizer": {**g, "param_groups": [dict(pg) for pg in g["param_groups"]]}} for g in optimizer_groups]
+    for g in groups:
+        for pg in g["optimizer"]["param_groups"]:
+            pg.pop("params", None)
+            if isinstance(pg.get("betas"), list):
+                pg["betas"] = tuple(pg["betas"])
+    scheduler = scheduler or common.get("opt_param_scheduler")
+    ours = {k: v for k, v in (("tp", layout.tp), ("pp", layout.pp), ("vpp", layout.vpp), ("ep", layout.ep),
+                              ("dp", layout.dp), *layout.pipeline_split.items()) if v is not None}
+    held: list[tuple[str, ValueRole, Any]] = [
+        ("args", ValueRole.ARGS, args), ("checkpoint_version", ValueRole.COMMON, 3.0),
+        ("iteration", ValueRole.COMMON, common.get("iteration", 0)),
+        ("optimizer", ValueRole.COMMON, groups[0] if len(groups) == 1 else groups),
+        *([("opt_param_scheduler", ValueRole.COMMON, scheduler)] if scheduler is not None else []),
+        *([("rng_state", ValueRole.RNG, rng)] if rng is not None else []),
+        ("num_floating_point_operations_so_far", ValueRole.COMMON,
+         common.get("num_floating_point_operations_so_far", 0)),
+        ("migrate", ValueRole.COMMON, {**dict(common.get("migrate") or {}), "layout": ours})]
+    return tuple(ValueItem(key=(name,), role=role, value=value) for name, role, value in held)
 
 
 class MegatronLegacyWriter:
@@ -547,60 +567,44 @@ class MegatronLegacyWriter:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "tracker":  # Megatron-LM's commit point, written last
-            return tracker_text(meta["common"])
-        rel = file.path.rsplit("/", 1)[0]
-        rank = meta["ranks"][rel]
+            return file.values[0].value
         if file.role == "model":
-            return _model_file(rank, buffers, meta)
+            return _model_file(file, buffers)
         if file.role == "distrib_optim":
-            return _optim_file(rank, buffers)
+            return _optim_file(file, buffers)
         raise PlanError(f"Megatron legacy writer: unknown file role {file.role!r} for {file.path}")
 
 
-def _model_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> dict:
-    common = meta["common"]
-    state: dict[str, Any] = {"args": meta["args"], "checkpoint_version": 3.0, "iteration": common.get("iteration", 0)}
-    for mkey, names in rank["chunks"]:
-        sd: OrderedDict[str, Any] = OrderedDict()
-        for name in names:
-            sd[name] = buffers[(mkey, name)]
-            module = name.rsplit(".", 1)[0]
-            if any(module.endswith(m) for m in _EXTRA_STATE) or module == "output_layer":
-                sd[f"{module}._extra_state"] = None
-        state[mkey] = sd
-    groups = [{"optimizer": {**g, "param_groups": [dict(pg) for pg in g["param_groups"]]}}
-              for g in meta["optimizer_groups"]]
-    for g in groups:
-        for pg in g["optimizer"]["param_groups"]:
-            pg.pop("params", None)
-            if isinstance(pg.get("betas"), list):
-                pg["betas"] = tuple(pg["betas"])
-    state["optimizer"] = groups[0] if len(groups) == 1 else groups
-    scheduler = meta.get("opt_param_scheduler") or common.get("opt_param_scheduler")
-    if scheduler is not None:
-        state["opt_param_scheduler"] = scheduler
-    grid = {(pp_rank, tp_rank): states for pp_rank, tp_rank, states in meta.get("rng_objects") or ()}
-    if grid:
-        state["rng_state"] = [to_megatron(st) for st in grid[(rank["pp_rank"], rank["tp_rank"])]]
-    state["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far", 0)
-    layout = {k: meta[k] for k in ("tp", "pp", "vpp", "ep", "dp")} | {k: v for k, v in pipeline_split_of(meta).items()
-                                                                     if v is not None}
-    state["migrate"] = {**dict(common.get("migrate") or {}), "layout": layout}
+def _model_file(file: TargetFile, buffers: Mapping[Any, torch.Tensor]) -> dict:
+    """The file's values with each model chunk's weights (keys `(chunk, name)` of its buffers) and the `None`
+    `_extra_state` Megatron-LM's modules save beside them."""
+    state: dict[str, Any] = {item.key[0]: item.value for item in file.values}
+    for b in file.buffers:
+        mkey, name = b.key
+        sd = state.setdefault(mkey, OrderedDict())
+        sd[name] = buffers[b.key]
+        module = name.rsplit(".", 1)[0]
+        if any(module.endswith(m) for m in _EXTRA_STATE) or module == "output_layer":
+            sd[f"{module}._extra_state"] = None
     return state
 
 
-def _optim_file(rank: Mapping[str, Any], buffers: Mapping[Any, torch.Tensor]) -> Any:
-    chained = len(rank["optim"]) > 1
+def _optim_file(file: TargetFile, buffers: Mapping[Any, torch.Tensor]) -> Any:
+    """Megatron-Core's DistributedOptimizer state of the file's buffers, keyed `([chain,] grad buffer, dtype
+    pair, state name)`: per grad buffer each state's flat tensor and its unpadded numel; with a chained
+    expert optimizer a list of two, `None` where this rank holds none of a chain's buffers."""
+    chained = any(len(b.key) == 4 for b in file.buffers)
     out: list[Any] = []
-    for chain, numels in enumerate(rank["optim"]):
-        if numels is None:
+    for chain in (0, 1) if chained else (0,):
+        held = [b for b in file.buffers if not chained or b.key[0] == chain]
+        if chained and not held:
             out.append(None)
             continue
-        path = (chain,) if chained else ()
         st: dict[Any, Any] = {"buckets_coalesced": True}
-        for g, (numel, dkey) in enumerate(numels):
-            st[g] = {dkey: {**{name: buffers[(*path, g, dkey, name)] for name in STATE_KINDS},
-                            "numel_unpadded": numel}}
+        for b in held:
+            g, dkey, name = b.key[-3:]
+            st.setdefault(g, {}).setdefault(dkey, {})[name] = buffers[b.key]
+            st[g][dkey]["numel_unpadded"] = b.shape[0]
         out.append(st)
     return out if chained else out[0]
 

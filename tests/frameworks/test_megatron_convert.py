@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from checkpoint.api import LayoutRequest, convert, detect_format, read_index
 from checkpoint.index import Kind, TensorKey
 from checkpoint.materialize import iter_tensors
+from checkpoint.plan import ValueRole, summarize
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import launch
 
@@ -111,3 +113,15 @@ def test_dry_run_plans_from_metadata(megatron_checkpoint, tmp_path):
     assert outcome.result is None and time.perf_counter() - start < 5
     assert {e.key.kind for e in outcome.plan.target.index.entries} == {Kind.PARAM, Kind.MASTER, Kind.EXP_AVG,
                                                                         Kind.EXP_AVG_SQ}
+    # what is not a tensor chunk is planned too: the source's ShardedObjects copied byte for byte from its
+    # files and one rng_state object per target (pp, tp) rank, in the first rank's file; common.pt's state
+    files = outcome.plan.target.files
+    assert [f.path for f in files if f.values] == [files[0].path]
+    copied = [v.copy for v in files[0].values if v.copy is not None]
+    root = Path(outcome.plan.source.root)
+    assert copied and all(Path(c.path).parent == root and c.path.endswith(".distcp") and c.length > 0 for c in copied)
+    assert [v.key for v in files[0].values if v.role is ValueRole.RNG] == [("rng_state/shard_0.0_1.1",)]
+    (common,) = next(f for f in outcome.plan.target.described if f.path == "iter_0000002/common.pt").values
+    assert common.role is ValueRole.COMMON and common.value["iteration"] == 2
+    assert common.value["migrate"]["layout"]["tp"] == 1 and "optimizer" in common.value
+    assert "values beside the tensors" in summarize(outcome.plan)

@@ -10,6 +10,7 @@ loaders resume from them and continue with the source's loss.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -17,10 +18,10 @@ import pytest
 import torch
 
 from checkpoint.api import LayoutRequest, convert, read_index
-from checkpoint.formats.adam_step import split_derived_steps
+from checkpoint.formats.adam_step import derived_step, split_derived_steps
 from checkpoint.copy_items import copy_item
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, TensorEntry, TensorKey
-from checkpoint.plan import TargetFile, TargetSpec, make_plan
+from checkpoint.plan import TargetFile, TargetSpec, ValueRole, make_plan, summarize
 from checkpoint.verify import compare_indexes
 from migrate.workload.fixtures import launch
 from migrate.workload.run_spec import RunSpec
@@ -89,6 +90,18 @@ def test_megatron_converts_to_deepspeed_and_dcp_bit_exact(megatron_checkpoint, t
         assert {Kind.EXP_AVG, Kind.EXP_AVG_SQ} <= kinds, (fmt, kinds)
         moments = {e.key.name for e in back.entries if e.key.kind is Kind.EXP_AVG}
         assert moments == {e.key.name for e in outcome.plan.source.entries if e.key.kind is Kind.EXP_AVG}
+        # the derived steps are planned values: DCP's one per parameter in rank 0's file, DeepSpeed's one per
+        # flat group in every rank's file, each torch Adam's 0-d float32 step
+        steps = [(f.path, v.value) for f in outcome.plan.target.files for v in f.values if v.role is ValueRole.STEP]
+        per_file = collections.Counter(path for path, _ in steps)
+        want = derived_step(outcome.plan.source)
+        assert all(t.shape == () and t.dtype == torch.float32 and t.item() == want for _, t in steps)
+        if fmt == "dcp":
+            assert list(per_file.values()) == [len(moments)], per_file
+        else:
+            assert len(per_file) == kw["dp"] and len(set(per_file.values())) == 1, per_file
+        values = sum(len(f.values) for f in outcome.plan.target.files)
+        assert f"{values} values beside the tensors (step {len(steps)}" in summarize(outcome.plan)
 
 
 @pytest.mark.slow
