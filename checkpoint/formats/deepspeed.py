@@ -38,8 +38,8 @@ from checkpoint.errors import CheckpointFormatError, LayoutMismatchError, PlanEr
 from checkpoint.formats.adam_step import derived_step, step_tensor
 from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOptions, check_agreement,
                                      refuse_tied_embeddings, scalar)
-from checkpoint.formats.hf_trainer import (is_trainer_folder, new_trainer_state, read_trainer_files, trainer_files,
-                                          trainer_rng)
+from checkpoint.formats.hf_trainer import (TRAINER_ROLE, is_trainer_folder, new_trainer_state, read_trainer_files,
+                                          trainer_file_bytes, trainer_files, trainer_rng)
 from checkpoint.index import (CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name,
                               state_kind)
 from checkpoint.paths import tag_name
@@ -671,14 +671,9 @@ class DeepSpeedWriter:
             return model_states_object(file, buffers, meta)
         if file.role == "optim_states":
             return _optim_states(file, buffers, meta)
+        if file.role == TRAINER_ROLE:  # an HF-Trainer source's own files, for dp processes
+            return trainer_file_bytes(file)
         raise PlanError(f"DeepSpeed writer: unknown file role {file.role!r} for {file.path}")
-
-    def finalize(self, records: Any, meta: Mapping[str, Any]) -> dict[str, bytes]:
-        """An HF-Trainer source's own files (trainer_state.json, config.json, per-process RNG, ...) for dp
-        processes, beside the engine's."""
-        if not meta.get("hf_trainer"):
-            return {}
-        return trainer_files(meta["hf_trainer"], world_size=meta["dp"])
 
 
 def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> TargetSpec:
@@ -776,22 +771,29 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     steps = () if step is None else tuple(
         ValueItem(key=_state_path(zero_stage, gid, Kind.STEP), role=ValueRole.STEP, value=step_tensor(step))
         for gid in range(len(flat_groups)))
-    meta = {**m, "model_state": model_state, "state_report": state_report,
+    meta = {**{k: v for k, v in m.items() if k != "model_state"}, "state_report": state_report,
             "stage": zero_stage, "dp": dp, "flat_groups": flat_groups,
             "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
             "scalar_kinds": [str(k) for k in scalar_kinds]}
-    if m.get("hf_trainer"):
-        meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]  # the files: at finalize
+    if m.get("hf_trainer"):  # the decision behind each process's RNG file, for the plan and the report
+        meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]
     files = [TargetFile(path="latest", role="latest", rank=None)]
     if CLIENT_STATE_KEY in m["model_state"]:  # the report of the training state the built-in workloads save
         files.append(TargetFile(path=STATE_REPORT_FILE, role="state_report", rank=None))
+    model_values = model_states_values(m, model_state, stage=zero_stage, dp=dp)
     files += [TargetFile(path=mf, role="model_states", rank=(r if zero_stage == 3 else None),
-                         buffers=tuple(buffers.get(mf, ()))) for r, mf in enumerate(model_files)]
+                         buffers=tuple(buffers.get(mf, ())), values=model_values) for r, mf in enumerate(model_files)]
+    # beside the optimizer state: the config and version DeepSpeed saved (top level), the derived steps
+    optim_values = (ValueItem(key=("ds_config",), role=ValueRole.ARGS,
+                              value=target_ds_config(model_state, zero_stage)),
+                    ValueItem(key=("ds_version",), role=ValueRole.COMMON, value=m["ds_version"]), *steps)
     files += [TargetFile(path=optim_file(tag, r, bf16), role="optim_states", rank=r,
-                         buffers=tuple(buffers[optim_file(tag, r, bf16)]), values=steps) for r in range(dp)]
+                         buffers=tuple(buffers[optim_file(tag, r, bf16)]), values=optim_values) for r in range(dp)]
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=("latest",),
+    # an HF-Trainer source's own files (trainer_state.json, config.json, per-process RNG, ...) beside the engine's
+    trainer = trainer_files(m["hf_trainer"], world_size=dp) if m.get("hf_trainer") else ()
+    return TargetSpec(index=index, files=tuple(files), commit=("latest",), described=trainer,
                       write_mode=WriteMode.IN_PLACE if step is None else WriteMode.IN_MEMORY)
 
 
@@ -927,35 +929,57 @@ def deepspeed_meta_from(source: CheckpointIndex) -> dict[str, Any]:
             "train_state": ts}
 
 
-def target_ds_config(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The source's DeepSpeed config with the target's ZeRO stage."""
-    cfg = copy.deepcopy(dict(meta["model_state"].get("ds_config", {})))
-    cfg.setdefault("zero_optimization", {})["stage"] = meta["stage"]
+def target_ds_config(model_state: Mapping[str, Any], stage: int) -> dict[str, Any]:
+    """The source's DeepSpeed config (in its model states) with the target's ZeRO stage."""
+    cfg = copy.deepcopy(dict(model_state.get("ds_config", {})))
+    cfg.setdefault("zero_optimization", {})["stage"] = stage
     return cfg
 
 
+def model_states_values(m: Mapping[str, Any], model_state: Mapping[str, Any], *, stage: int, dp: int
+                        ) -> tuple[ValueItem, ...]:
+    """What `engine.save_checkpoint` stores in a `*_model_states.pt` file beside the module's tensors, for the
+    target's ZeRO `stage` and `dp`: the engine's counters, scheduler and config, the param shapes, the client
+    state (`model_state` as converted for the target), each at its top-level key."""
+    shared, frozen = m.get("shared_params") or {}, m.get("frozen_params") or []
+    state = copy.deepcopy(dict(model_state))
+    state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in g) for g in m["param_groups"]]
+    state["shared_params"] = dict(shared)
+    if stage >= 2:  # as DeepSpeed saves them when it partitions gradients (ZeRO-2/3); the fragments: the writer's
+        state["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in frozen)
+        state.pop("frozen_param_fragments", None)
+    else:
+        state["frozen_param_shapes"] = state["frozen_param_fragments"] = None
+    state["dp_world_size"] = dp
+    state["ds_config"] = target_ds_config(model_state, stage)
+    return tuple(ValueItem(key=(k,), role=ValueRole.ARGS if k == "ds_config" else ValueRole.COMMON
+                           if k in ENGINE_MODEL_KEYS else ValueRole.OBJECT, value=v) for k, v in state.items())
+
+
 def model_states_object(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
-    """The object `engine.save_checkpoint` stores in a `*_model_states.pt` file, around the filled buffers."""
+    """The object `engine.save_checkpoint` stores in a `*_model_states.pt` file: the filled buffers as its
+    module (and, at ZeRO-2/3, frozen param fragments) with the file's values."""
     dtype = getattr(torch, meta["dtype"])
     shared, frozen = meta.get("shared_params") or {}, meta.get("frozen_params") or []
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name in meta["module_keys"]:
         buf = buffers.get(("module", shared.get(name, name)))  # a tied alias is its param's very tensor
         module[name] = buf if buf is not None else torch.empty(0, dtype=dtype)
-    state: dict[str, Any] = {"module": module} | copy.deepcopy(dict(meta["model_state"]))
-    state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in g) for g in meta["param_groups"]]
-    state["shared_params"] = dict(shared)
-    if meta["stage"] >= 2:  # as DeepSpeed saves them when it partitions gradients (ZeRO-2/3)
-        state["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in frozen)
+    state: dict[str, Any] = {"module": module} | {item.key[0]: item.value for item in file.values}
+    if meta["stage"] >= 2:
         state["frozen_param_fragments"] = OrderedDict(
             (n, buffers[("frozen_param_fragments", n)] if meta["stage"] == 3 else module[n]) for n, _ in frozen)
-    else:
-        state["frozen_param_shapes"] = state["frozen_param_fragments"] = None
-    state["dp_world_size"] = meta["dp"]
-    state["ds_config"] = target_ds_config(meta)
     order = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
              "frozen_param_fragments"]
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
+
+
+def file_value(file: TargetFile, key: KeyPath) -> Any:
+    """The value `file` stores at `key`; raises PlanError naming the file when it plans none there."""
+    for item in file.values:
+        if item.key == key:
+            return item.value
+    raise PlanError(f"{file.path}: the plan holds no value at {list(key)} (it has {[list(v.key) for v in file.values]})")
 
 
 def loss_scaler_of(meta: Mapping[str, Any]) -> Any:
@@ -1021,7 +1045,8 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                         mapping[name] = fragment_address(numel=hi - lo, start=so)
             slice_maps.append(mapping)
         # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
-        clip = flags.get("clip_grad", target_ds_config(meta).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        clip = flags.get("clip_grad", file_value(file, ("ds_config",)).get("gradient_clipping",
+                                                                            GRADIENT_CLIPPING_DEFAULT))
         counts = [dp] * len(meta["flat_groups"])
         if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
             osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
@@ -1034,7 +1059,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                    "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
                    "partition_count": counts}
         osd |= {"ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
-    return {OSD: osd, "ds_config": target_ds_config(meta), "ds_version": meta["ds_version"]}
+    return {OSD: osd} | {item.key[0]: item.value for item in file.values if len(item.key) == 1}
 
 
 

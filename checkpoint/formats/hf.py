@@ -35,7 +35,7 @@ from checkpoint.formats.base import CheckpointFormat, ReadOptions, TargetOptions
 from checkpoint.formats.hf_config import check_config, config_json, fields_from_megatron_args, fields_from_model_shape
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey
 from checkpoint.paths import inside
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole, WriteMode
 from checkpoint.rules.megatron import HF_MODEL_TYPES, arch_from_config
 from checkpoint.rules.names import TABLES, rename
 from checkpoint.state.training_state import CLIENT_STATE_KEY, our_client_state
@@ -264,11 +264,14 @@ def hf_target(source: CheckpointIndex, *, arch: str | None = None, model_config:
     if generation:
         finals[GENERATION_CONFIG] = dict(generation)
     finals[CONFIG] = config  # last: from_pretrained starts here
-    meta = {"architecture": arch, "dtype": dtype, "dp": 1, "weights_only": True, "hf_files": finals,
-            "hf_config_origin": origin}
+    meta = {"architecture": arch, "dtype": dtype, "dp": 1, "weights_only": True, "hf_config_origin": origin}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
-    return TargetSpec(index=index, files=tuple(files), commit=tuple(finals), write_mode=WriteMode.STREAMING)
+    described = tuple(TargetFile(path=path, role="json", rank=None, values=(ValueItem(key=(), role=ValueRole.OBJECT,
+                                                                                      value=content),))
+                      for path, content in finals.items())
+    return TargetSpec(index=index, files=tuple(files), commit=tuple(finals), described=described,
+                      write_mode=WriteMode.STREAMING)
 
 
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()} | {"uint16": "U16", "uint32": "U32", "uint64": "U64"}
@@ -302,6 +305,8 @@ class HFWriter:
     first (shapes and dtypes are known from the plan), then each tensor's bytes as it is filled."""
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
+        if file.role == "json":  # the index (when sharded), generation_config.json, config.json
+            return (json.dumps(file.values[0].value, indent=2, sort_keys=True) + "\n").encode()
         if file.role != "weights":
             raise PlanError(f"HF writer: unknown file role {file.role!r} for {file.path}")
         keys = {b.key[1]: b for b in file.buffers}
@@ -320,11 +325,6 @@ class HFWriter:
                 del t, data
 
         return StreamPayload(write=write)
-
-    def finalize(self, records: Any, meta: Mapping[str, Any]) -> dict[str, bytes]:
-        """The index (when sharded), generation_config.json and config.json, as save_pretrained writes them."""
-        return {path: (json.dumps(content, indent=2, sort_keys=True) + "\n").encode()
-                for path, content in meta["hf_files"].items()}
 
 
 def _read(path: Path, opts: ReadOptions) -> CheckpointIndex:

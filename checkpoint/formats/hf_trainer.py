@@ -28,6 +28,7 @@ import torch
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.formats.hf import json_object_file
+from checkpoint.plan import TargetFile, ValueItem, ValueRole
 from checkpoint.state.rng import plan_rng, roles, state_hex, state_tensor
 
 TRAINER_STATE = "trainer_state.json"
@@ -130,19 +131,33 @@ def trainer_rng(trainer: Mapping[str, Any], *, world_size: int) -> tuple[list[di
     return states, [d.as_dict() for d in made]
 
 
-def trainer_files(trainer: Mapping[str, Any], *, world_size: int) -> dict[str, bytes]:
-    """The Trainer's files for a run of `world_size` processes."""
-    out: dict[str, bytes] = {}
+def trainer_files(trainer: Mapping[str, Any], *, world_size: int) -> tuple[TargetFile, ...]:
+    """The Trainer's files for a run of `world_size` processes, each planned from its value (config.json,
+    generation_config.json, scheduler.pt, one RNG state per process, trainer_state.json); `trainer_file_bytes`
+    encodes one."""
+    out: list[tuple[str, ValueRole, Any]] = []
     for name, key in ((CONFIG, "hf_config"), (GENERATION_CONFIG, "generation_config")):
         if trainer.get(key) is not None:
-            out[name] = (json.dumps(trainer[key], indent=2, sort_keys=True) + "\n").encode()
+            out.append((name, ValueRole.OBJECT, trainer[key]))
     if trainer.get("scheduler") is not None:
-        out[SCHEDULER] = _saved(trainer["scheduler"])
+        out.append((SCHEDULER, ValueRole.OBJECT, trainer["scheduler"]))
     states, _ = trainer_rng(trainer, world_size=world_size)
     first = (trainer.get("rng") or [{}])[0]  # the source's device generators: their key and form
     for r, state in enumerate(states):
         name = "rng_state.pth" if world_size == 1 else f"rng_state_{r}.pth"
-        out[name] = _saved(rng_to_trainer(state, device_key=first.get("device_key"),
-                                          device_list=bool(first.get("device_list"))))
-    out[TRAINER_STATE] = (json.dumps(trainer["trainer_state"], indent=2, sort_keys=True) + "\n").encode()
-    return out
+        out.append((name, ValueRole.RNG, rng_to_trainer(state, device_key=first.get("device_key"),
+                                                        device_list=bool(first.get("device_list")))))
+    out.append((TRAINER_STATE, ValueRole.COMMON, trainer["trainer_state"]))
+    return tuple(TargetFile(path=name, role=TRAINER_ROLE, rank=None, values=(ValueItem(key=(), role=role, value=value),))
+                 for name, role, value in out)
+
+
+TRAINER_ROLE = "hf_trainer"  # the role of the files `trainer_files` plans
+
+
+def trainer_file_bytes(file: TargetFile) -> bytes:
+    """A file of `trainer_files` as the Trainer writes it: JSON (sorted, indented by 2) or `torch.save`d."""
+    value = file.values[0].value
+    if file.path.endswith(".json"):
+        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+    return _saved(value)

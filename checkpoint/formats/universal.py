@@ -30,7 +30,7 @@ from checkpoint.formats.base import (CheckpointFormat, ReadOptions, TargetOption
                                      refuse_frozen_params, refuse_tied_embeddings, scalar)
 from checkpoint.index import CheckpointIndex, ChunkRef, Kind, KeyPath, TensorEntry, TensorKey, dtype_name
 from checkpoint.paths import inside, tag_name
-from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, WriteMode
+from checkpoint.plan import TargetBuffer, TargetFile, TargetSpec, ValueItem, ValueRole, WriteMode
 from checkpoint.state.optimizer_state import refuse_unplaced_state
 from checkpoint.state.training_state import CLIENT_STATE_KEY, STATE_REPORT_FILE
 
@@ -246,18 +246,21 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
             entries.append(step)
     opt_buffers = (TargetBuffer(key=_Z3_STEP, shape=step_entry.shape, dtype=step_entry.dtype),) \
         if zero_stage == 3 and step_entry is not None else ()  # ZeRO-3 without a step is refused above
-    files.append(TargetFile(path=model_rel, role="model_states", rank=0, buffers=tuple(model_buffers)))
-    files += state_files
-    files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers))
     model_state, state_report = ds.target_training_state(m, dp=dp, zero_stage=zero_stage)
-    meta = {**m, "model_state": model_state, "state_report": state_report, "stage": zero_stage, "dp": dp,
-            "universal_tag": tag}
+    files.append(TargetFile(path=model_rel, role="model_states", rank=0, buffers=tuple(model_buffers),
+                            values=ds.model_states_values(m, model_state, stage=zero_stage, dp=dp)))
+    files += state_files
+    files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers, values=(
+        ValueItem(key=("ds_config",), role=ValueRole.ARGS, value=ds.target_ds_config(model_state, zero_stage)),)))
+    meta = {**{k: v for k, v in m.items() if k != "model_state"}, "state_report": state_report, "stage": zero_stage,
+            "dp": dp, "universal_tag": tag}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=(LATEST,), write_mode=WriteMode.IN_PLACE)
 
 
-def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+def _optimizer_state(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]
+                     ) -> dict[str, Any]:
     """What ds_to_universal keeps of rank 0's optimizer file: everything but the sharded tensors."""
     from checkpoint.safe_load import ZeroStageEnum  # DeepSpeed's, without importing deepspeed
 
@@ -274,8 +277,8 @@ def _optimizer_state(buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str,
                 ds.OSD: {"state": {0: {"step": ds.step_as_stored(buffers[_Z3_STEP])}},
                          "param_groups": copy.deepcopy(groups)}}
     else:
-        out |= {"clip_grad": flags.get("clip_grad", ds.target_ds_config(meta).get("gradient_clipping",
-                                                                           ds.GRADIENT_CLIPPING_DEFAULT)),
+        out |= {"clip_grad": flags.get("clip_grad", ds.file_value(file, ("ds_config",)).get(
+                    "gradient_clipping", ds.GRADIENT_CLIPPING_DEFAULT)),
                 "zero_stage": ZeroStageEnum(stage), "partition_count": [meta["dp"]] * len(groups),
                 "ds_version": meta["ds_version"]}
     out["param_groups"] = groups
@@ -298,7 +301,7 @@ class UniversalWriter:
         if file.role == "zero_step":
             return buffers[()]
         if file.role == "optimizer_state":
-            return _optimizer_state(buffers, meta)
+            return _optimizer_state(file, buffers, meta)
         raise PlanError(f"universal writer: unknown file role {file.role!r} for {file.path}")
 
 
