@@ -784,8 +784,10 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     files += [TargetFile(path=mf, role="model_states", rank=(r if zero_stage == 3 else None),
                          buffers=tuple(buffers.get(mf, ())), values=model_values) for r, mf in enumerate(model_files)]
     # beside the optimizer state: the config and version DeepSpeed saved (top level), the derived steps
-    optim_values = (ValueItem(key=("ds_config",), role=ValueRole.ARGS,
-                              value=target_ds_config(model_state, zero_stage)),
+    ds_config = target_ds_config(model_state, zero_stage)
+    optim_values = (*optimizer_values(m, flat_groups, stage=zero_stage, bf16_optimizer=flavor == BF16_OPTIMIZER,
+                                      ds_config=ds_config),
+                    ValueItem(key=("ds_config",), role=ValueRole.ARGS, value=ds_config),
                     ValueItem(key=("ds_version",), role=ValueRole.COMMON, value=m["ds_version"]), *steps)
     files += [TargetFile(path=optim_file(tag, r, bf16), role="optim_states", rank=r,
                          buffers=tuple(buffers[optim_file(tag, r, bf16)]), values=optim_values) for r in range(dp)]
@@ -974,20 +976,11 @@ def model_states_object(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
 
 
-def file_value(file: TargetFile, key: KeyPath) -> Any:
-    """The value `file` stores at `key`; raises PlanError naming the file when it plans none there."""
-    for item in file.values:
-        if item.key == key:
-            return item.value
-    raise PlanError(f"{file.path}: the plan holds no value at {list(key)} (it has {[list(v.key) for v in file.values]})")
-
-
-def loss_scaler_of(meta: Mapping[str, Any]) -> Any:
-    """The loss scaler object DeepSpeed saved, rebuilt from the index's plain data (a static scale of 1 when
-    the source saved none)."""
+def loss_scaler_of(spec: Mapping[str, Any] | None) -> Any:
+    """The loss scaler object DeepSpeed saved, rebuilt from its plain data (`spec`, the index's; a static scale
+    of 1 when the source saved none)."""
     from checkpoint.safe_load import DynamicLossScaler, LossScaler  # DeepSpeed's, without importing deepspeed
 
-    spec = meta.get("loss_scaler")
     if spec is None:
         return LossScaler(scale=1.0)
     cls = DynamicLossScaler if spec.get("__class__", "").endswith("DynamicLossScaler") else LossScaler
@@ -996,39 +989,60 @@ def loss_scaler_of(meta: Mapping[str, Any]) -> Any:
     return obj
 
 
+def optimizer_values(m: Mapping[str, Any], flat_groups: Sequence[Mapping[str, Any]], *, stage: int, bf16_optimizer: bool,
+                     ds_config: Mapping[str, Any]) -> tuple[ValueItem, ...]:
+    """What a ZeRO optimizer's state dict holds beside its tensors, as DeepSpeed saves it for ZeRO `stage`
+    (or BF16_Optimizer): the wrapped optimizer's param groups (hyperparameters, one flat group id each), the
+    loss scaler (as plain data) and its flags, the gradient clipping, DeepSpeed's version. Raises PlanError
+    when a flat group names a param group the source lacks."""
+    flags, hparams = m["optimizer_flags"], m["param_group_hparams"]
+    groups = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
+    for gid, fg in enumerate(flat_groups):
+        if fg["param_group"] >= len(groups):
+            raise PlanError(f"flat group {gid} belongs to param group {fg['param_group']} but the source has "
+                            f"{len(groups)} optimizer param groups")
+        groups[fg["param_group"]]["params"].append(gid)
+    for hp in groups:
+        if isinstance(hp.get("betas"), list):
+            hp["betas"] = tuple(hp["betas"])
+    # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
+    clip = flags.get("clip_grad", ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+    held: list[tuple[KeyPath, ValueRole, Any]] = [((*_state_path(stage, 0)[:2], "param_groups"), ValueRole.COMMON,
+                                                   groups)]
+    if not bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler
+        held += [((OSD, "loss_scaler"), ValueRole.OBJECT, m.get("loss_scaler")),
+                 ((OSD, "dynamic_loss_scale"), ValueRole.COMMON, flags.get("dynamic_loss_scale", False)),
+                 ((OSD, "overflow"), ValueRole.COMMON, flags.get("overflow", False))]
+    if stage != 3:
+        held += [((OSD, "clip_grad"), ValueRole.COMMON, clip), ((OSD, "ds_version"), ValueRole.COMMON, m["ds_version"])]
+    return tuple(ValueItem(key=key, role=role, value=value) for key, role, value in held)
+
+
 def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+    """A rank's optimizer file: its flat groups' fp32 partitions and state tensors (with derived steps) laid
+    out as DeepSpeed's ZeRO optimizer (or BF16_Optimizer) saves them, around the file's values."""
     from checkpoint.safe_load import ZeroStageEnum, fragment_address  # DeepSpeed's, without importing deepspeed
 
     stage, dp, rank = meta["stage"], meta["dp"], file.rank
-    flags = meta["optimizer_flags"]
-    hparams = meta["param_group_hparams"]
+    values = {item.key: item.value for item in file.values}
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters = []
-    groups_hp = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
-    derived = {item.key: item.value for item in file.values if item.role is ValueRole.STEP}
-    for gid, fg in enumerate(meta["flat_groups"]):
+    for gid in range(len(meta["flat_groups"])):
         masters.append(buffers[_master_path(stage, gid)])
         st: dict[str, Any] = {}  # torch's order: the scalars (step) first, then the tensors as the source had them
-        if (step_path := _state_path(stage, gid, Kind.STEP)) in derived:
-            st["step"] = derived[step_path]
+        if (step_path := _state_path(stage, gid, Kind.STEP)) in values:
+            st["step"] = values[step_path]
         for kind in meta["scalar_kinds"]:
             st[kind] = step_as_stored(buffers[_state_path(stage, gid, kind)])
         for kind in meta["state_kinds"]:
             st[kind] = buffers[_state_path(stage, gid, kind)]
         if st:
             state[gid] = st
-        if fg["param_group"] >= len(groups_hp):
-            raise PlanError(f"{file.path}: flat group {gid} belongs to param group {fg['param_group']} but the "
-                            f"source has {len(groups_hp)} optimizer param groups")
-        groups_hp[fg["param_group"]]["params"].append(gid)
-    for hp in groups_hp:
-        if isinstance(hp.get("betas"), list):
-            hp["betas"] = tuple(hp["betas"])
-    base = {"state": state, "param_groups": groups_hp}
-    scaler = loss_scaler_of(meta)
+    base_path = _state_path(stage, 0)[:2]
+    base = {"state": state, "param_groups": values[(*base_path, "param_groups")]}
     if stage == 3:
-        osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": scaler,
-               "dynamic_loss_scale": flags.get("dynamic_loss_scale", False), "overflow": flags.get("overflow", False),
+        osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": loss_scaler_of(values[(OSD, "loss_scaler")]),
+               "dynamic_loss_scale": values[(OSD, "dynamic_loss_scale")], "overflow": values[(OSD, "overflow")],
                "partition_count": dp, OSD: base, "fp32_flat_groups": masters}
     else:
         bf16_optimizer = meta.get("optimizer_flavor") == BF16_OPTIMIZER
@@ -1044,23 +1058,20 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                     if r == rank:
                         mapping[name] = fragment_address(numel=hi - lo, start=so)
             slice_maps.append(mapping)
-        # what DeepSpeed itself stores: the saved value, else the config's gradient_clipping (default 1.0)
-        clip = flags.get("clip_grad", file_value(file, ("ds_config",)).get("gradient_clipping",
-                                                                            GRADIENT_CLIPPING_DEFAULT))
         counts = [dp] * len(meta["flat_groups"])
+        clip = values[(OSD, "clip_grad")]
         if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
             osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
                    "group_paddings": paddings, "partition_count": counts}
         else:
-            osd = {"loss_scaler": scaler, "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
-                   "overflow": flags.get("overflow", False), "clip_grad": clip, "base_optimizer_state": base,
-                   "single_partition_of_fp32_groups": masters, "zero_stage": ZeroStageEnum(stage),
-                   "group_paddings": paddings,
+            osd = {"loss_scaler": loss_scaler_of(values[(OSD, "loss_scaler")]),
+                   "dynamic_loss_scale": values[(OSD, "dynamic_loss_scale")], "overflow": values[(OSD, "overflow")],
+                   "clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
+                   "zero_stage": ZeroStageEnum(stage), "group_paddings": paddings,
                    "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
                    "partition_count": counts}
-        osd |= {"ds_version": meta["ds_version"], "param_slice_mappings": slice_maps}
-    return {OSD: osd} | {item.key[0]: item.value for item in file.values if len(item.key) == 1}
-
+        osd |= {"ds_version": values[(OSD, "ds_version")], "param_slice_mappings": slice_maps}
+    return {OSD: osd} | {key[0]: value for key, value in values.items() if len(key) == 1}
 
 
 # ---------------------------------------------------------------- registration

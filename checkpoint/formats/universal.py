@@ -250,8 +250,8 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     files.append(TargetFile(path=model_rel, role="model_states", rank=0, buffers=tuple(model_buffers),
                             values=ds.model_states_values(m, model_state, stage=zero_stage, dp=dp)))
     files += state_files
-    files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers, values=(
-        ValueItem(key=("ds_config",), role=ValueRole.ARGS, value=ds.target_ds_config(model_state, zero_stage)),)))
+    files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers,
+                            values=optimizer_state_values(m, model_state, stage=zero_stage)))
     meta = {**{k: v for k, v in m.items() if k != "model_state"}, "state_report": state_report, "stage": zero_stage,
             "dp": dp, "universal_tag": tag}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
@@ -259,29 +259,45 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     return TargetSpec(index=index, files=tuple(files), commit=(LATEST,), write_mode=WriteMode.IN_PLACE)
 
 
+def optimizer_state_values(m: Mapping[str, Any], model_state: Mapping[str, Any], *, stage: int
+                           ) -> tuple[ValueItem, ...]:
+    """What ds_to_universal keeps of rank 0's optimizer file beside the step, each at its key: the param groups
+    (one per source param group, its index as its param), the loss scaler (plain data) and flags and, below
+    ZeRO-3, the gradient clipping and DeepSpeed's version."""
+    flags = m["optimizer_flags"]
+    groups = [{**copy.deepcopy(hp), "params": [i]} for i, hp in enumerate(m["param_group_hparams"])]
+    for g in groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    held: list[tuple[str, ValueRole, Any]] = [
+        ("loss_scaler", ValueRole.OBJECT, m.get("loss_scaler")),
+        ("dynamic_loss_scale", ValueRole.COMMON, flags.get("dynamic_loss_scale", False)),
+        ("overflow", ValueRole.COMMON, flags.get("overflow", False))]
+    if stage != 3:
+        clip = flags.get("clip_grad", ds.target_ds_config(model_state, stage).get("gradient_clipping",
+                                                                                   ds.GRADIENT_CLIPPING_DEFAULT))
+        held += [("clip_grad", ValueRole.COMMON, clip), ("ds_version", ValueRole.COMMON, m["ds_version"])]
+    held.append(("param_groups", ValueRole.COMMON, groups))
+    return tuple(ValueItem(key=(name,), role=role, value=value) for name, role, value in held)
+
+
 def _optimizer_state(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]
                      ) -> dict[str, Any]:
     """What ds_to_universal keeps of rank 0's optimizer file: everything but the sharded tensors."""
     from checkpoint.safe_load import ZeroStageEnum  # DeepSpeed's, without importing deepspeed
 
-    stage, flags = meta["stage"], meta["optimizer_flags"]
-    groups = [{**copy.deepcopy(hp), "params": [i]} for i, hp in enumerate(meta["param_group_hparams"])]
-    for g in groups:
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-    out: dict[str, Any] = {"loss_scaler": ds.loss_scaler_of(meta),
-                           "dynamic_loss_scale": flags.get("dynamic_loss_scale", False),
-                           "overflow": flags.get("overflow", False)}
+    stage = meta["stage"]
+    values = {item.key[0]: item.value for item in file.values}
+    out: dict[str, Any] = {"loss_scaler": ds.loss_scaler_of(values["loss_scaler"]),
+                           "dynamic_loss_scale": values["dynamic_loss_scale"], "overflow": values["overflow"]}
     if stage == 3:
         out |= {"zero_stage": ZeroStageEnum(3), "partition_count": meta["dp"],
                 ds.OSD: {"state": {0: {"step": ds.step_as_stored(buffers[_Z3_STEP])}},
-                         "param_groups": copy.deepcopy(groups)}}
+                         "param_groups": copy.deepcopy(values["param_groups"])}}
     else:
-        out |= {"clip_grad": flags.get("clip_grad", ds.file_value(file, ("ds_config",)).get(
-                    "gradient_clipping", ds.GRADIENT_CLIPPING_DEFAULT)),
-                "zero_stage": ZeroStageEnum(stage), "partition_count": [meta["dp"]] * len(groups),
-                "ds_version": meta["ds_version"]}
-    out["param_groups"] = groups
+        out |= {"clip_grad": values["clip_grad"], "zero_stage": ZeroStageEnum(stage),
+                "partition_count": [meta["dp"]] * len(values["param_groups"]), "ds_version": values["ds_version"]}
+    out["param_groups"] = values["param_groups"]
     return out
 
 
