@@ -1094,7 +1094,7 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                          values=(ValueItem(key=(), role=ValueRole.COMMON, value=tracker_text(common)),))
     meta = {**{k: v for k, v in m.items() if k not in _VALUE_META}, "optimizer_groups": groups,
             "per_layer_keys": per_layer, "target_tp": tp, "target_layout": layout.to_dict(),
-            "sharding": "fully_reshardable", "dcp_tensors": dcp_tensors, "iteration_dir": it, "common": common,
+            "sharding": "fully_reshardable", "dcp_tensors": dcp_tensors, "iteration_dir": it,
             "state_report": state["state_report"]}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(out), files=tuple(f.path for f in files), meta=meta)
     # Megatron-LM's commit point, the tracker, last; DCP's (.metadata) before it
@@ -1102,7 +1102,8 @@ def megatron_target(source: CheckpointIndex, *, tp: int = 1, pp: int = 1, dp: in
                       commit=(f"{it}/.metadata", f"{it}/metadata.json", TRACKER_FILE))
 
 
-_VALUE_META = ("objects", "new_objects")  # a source's stored objects, planned as value items of the target
+# a source's stored objects and common state: planned as the target's values (files[0]'s, common.pt's)
+_VALUE_META = ("objects", "new_objects", "common")
 
 
 def stored_objects(m: Mapping[str, Any], source_root: str, rng: Mapping[tuple[int, int], Any],
