@@ -570,6 +570,44 @@ class FlatGroup:
         return self.partition * len(self.master_numels) - sum(p.numel for p in self.params)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStatesLayout:
+    """What a DeepSpeed target's `*_model_states.pt` is built from besides its buffers and values: the ZeRO
+    stage and model dtype, the module's keys in order (a tied alias stored as the param it shares,
+    `shared_params`) and the frozen params with their shapes."""
+
+    stage: int
+    dtype: str
+    module_keys: tuple[str, ...]
+    shared_params: Mapping[str, str]
+    frozen_params: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, m: Mapping[str, Any], stage: int) -> ModelStatesLayout:
+        """From a DeepSpeed-style index's metadata `m`, for a target at ZeRO `stage`."""
+        return cls(stage=stage, dtype=str(m["dtype"]), module_keys=tuple(m["module_keys"]),
+                   shared_params=dict(m.get("shared_params") or {}),
+                   frozen_params=tuple((str(n), tuple(s)) for n, s in m.get("frozen_params") or ()))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroFiles:
+    """How a DeepSpeed target's files are laid out, what its writer builds around buffers and values: the model
+    states, the dp ranks' optimizer files (the flat groups, BF16_Optimizer's or a ZeRO optimizer's form, the
+    optimizer's state kinds: flat tensors and per-group scalars) and the tag `latest` names."""
+
+    model: ModelStatesLayout
+    dp: int
+    tag: str
+    flat_groups: tuple[FlatGroup, ...]
+    bf16_optimizer: bool
+    state_kinds: tuple[str, ...]
+    scalar_kinds: tuple[str, ...]
+
+
+ZERO_FILES = "zero_files"  # the target index's metadata entry holding its ZeroFiles
+
+
 def _flat_entries(groups: Sequence[FlatGroup], stage: int, tag: str, bf16: bool, optim: Sequence[Any],
                   root: Path) -> list[TensorEntry]:
     """Entries for the fp32 master and every optimizer state tensor (Adam's moments and step, momentum buffers,
@@ -664,13 +702,13 @@ class DeepSpeedWriter:
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "latest":
-            return meta["tag"]
+            return meta[ZERO_FILES].tag
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "model_states":
-            return model_states_object(file, buffers, meta)
+            return model_states_object(file, buffers, meta[ZERO_FILES].model)
         if file.role == "optim_states":
-            return _optim_states(file, buffers, meta)
+            return _optim_states(file, buffers, meta[ZERO_FILES])
         if file.role == TRAINER_ROLE:  # an HF-Trainer source's own files, for dp processes
             return trainer_file_bytes(file)
         raise PlanError(f"DeepSpeed writer: unknown file role {file.role!r} for {file.path}")
@@ -736,7 +774,6 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                 add(mf, ("frozen_param_fragments", p.name), (z3_piece(p.numel, dp),), dt)
             entries.append(z3_frozen_entry(p, dt, model_files))
     scalar_dtypes = {k: next(e.dtype for e in source.entries if e.key.kind == k) for k in scalar_kinds}
-    flat_groups = []
     for fg in flat:
         gid, params, chunks, master_numels, padded = fg.index, fg.params, fg.chunks, fg.master_numels, fg.partition
         _check_state_complete(src, params, flat_kinds + scalar_kinds, gid)
@@ -760,9 +797,6 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                                        dtype=scalar_dtypes[kind],
                                        chunks=tuple(ChunkRef(file=optim_file(tag, r, bf16), key=paths[kind],
                                                              offsets=(), lengths=()) for r in range(dp))))
-        flat_groups.append({"param_group": fg.param_group, "params": [p.name for p in params],
-                            "master_numels": list(master_numels), "partition_size": padded, "padding": fg.padding,
-                            "chunks": {n: [[r, list(fr), so] for r, fr, so in c] for n, c in chunks.items()}})
     model_state, state_report = target_training_state(m, dp=dp, zero_stage=zero_stage)
     # a source with Adam's step per param group (Megatron): torch Adam's per-parameter step, one per flat group
     # in each rank's file, planned as a value, so the optimizer files are assembled in memory (the in-place
@@ -770,11 +804,12 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     step = None if Kind.STEP in scalar_kinds else derived_step(source)
     steps = () if step is None else tuple(
         ValueItem(key=_state_path(zero_stage, gid, Kind.STEP), role=ValueRole.STEP, value=step_tensor(step))
-        for gid in range(len(flat_groups)))
+        for gid in range(len(flat)))
+    zero = ZeroFiles(model=ModelStatesLayout.of(m, zero_stage), dp=dp, tag=tag, flat_groups=tuple(flat),
+                     bf16_optimizer=flavor == BF16_OPTIMIZER, state_kinds=tuple(str(k) for k in flat_kinds),
+                     scalar_kinds=tuple(str(k) for k in scalar_kinds))
     meta = {**{k: v for k, v in m.items() if k != "model_state"}, "state_report": state_report,
-            "stage": zero_stage, "dp": dp, "flat_groups": flat_groups,
-            "optimizer_flavor": flavor, "state_kinds": [str(k) for k in flat_kinds],
-            "scalar_kinds": [str(k) for k in scalar_kinds]}
+            "stage": zero_stage, "dp": dp, "optimizer_flavor": flavor, ZERO_FILES: zero}
     if m.get("hf_trainer"):  # the decision behind each process's RNG file, for the plan and the report
         meta["trainer_rng"] = trainer_rng(m["hf_trainer"], world_size=dp)[1]
     files = [TargetFile(path="latest", role="latest", rank=None)]
@@ -785,7 +820,7 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
                          buffers=tuple(buffers.get(mf, ())), values=model_values) for r, mf in enumerate(model_files)]
     # beside the optimizer state: the config and version DeepSpeed saved (top level), the derived steps
     ds_config = target_ds_config(model_state, zero_stage)
-    optim_values = (*optimizer_values(m, flat_groups, stage=zero_stage, bf16_optimizer=flavor == BF16_OPTIMIZER,
+    optim_values = (*optimizer_values(m, flat, stage=zero_stage, bf16_optimizer=zero.bf16_optimizer,
                                       ds_config=ds_config),
                     ValueItem(key=("ds_config",), role=ValueRole.ARGS, value=ds_config),
                     ValueItem(key=("ds_version",), role=ValueRole.COMMON, value=m["ds_version"]), *steps)
@@ -958,19 +993,20 @@ def model_states_values(m: Mapping[str, Any], model_state: Mapping[str, Any], *,
                            if k in ENGINE_MODEL_KEYS else ValueRole.OBJECT, value=v) for k, v in state.items())
 
 
-def model_states_object(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+def model_states_object(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], layout: ModelStatesLayout) -> dict:
     """The object `engine.save_checkpoint` stores in a `*_model_states.pt` file: the filled buffers as its
     module (and, at ZeRO-2/3, frozen param fragments) with the file's values."""
-    dtype = getattr(torch, meta["dtype"])
-    shared, frozen = meta.get("shared_params") or {}, meta.get("frozen_params") or []
+    dtype = getattr(torch, layout.dtype)
+    shared = layout.shared_params
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for name in meta["module_keys"]:
+    for name in layout.module_keys:
         buf = buffers.get(("module", shared.get(name, name)))  # a tied alias is its param's very tensor
         module[name] = buf if buf is not None else torch.empty(0, dtype=dtype)
     state: dict[str, Any] = {"module": module} | {item.key[0]: item.value for item in file.values}
-    if meta["stage"] >= 2:
+    if layout.stage >= 2:
         state["frozen_param_fragments"] = OrderedDict(
-            (n, buffers[("frozen_param_fragments", n)] if meta["stage"] == 3 else module[n]) for n, _ in frozen)
+            (n, buffers[("frozen_param_fragments", n)] if layout.stage == 3 else module[n])
+            for n, _ in layout.frozen_params)
     order = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
              "frozen_param_fragments"]
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
@@ -989,7 +1025,7 @@ def loss_scaler_of(spec: Mapping[str, Any] | None) -> Any:
     return obj
 
 
-def optimizer_values(m: Mapping[str, Any], flat_groups: Sequence[Mapping[str, Any]], *, stage: int, bf16_optimizer: bool,
+def optimizer_values(m: Mapping[str, Any], flat_groups: Sequence[FlatGroup], *, stage: int, bf16_optimizer: bool,
                      ds_config: Mapping[str, Any]) -> tuple[ValueItem, ...]:
     """What a ZeRO optimizer's state dict holds beside its tensors, as DeepSpeed saves it for ZeRO `stage`
     (or BF16_Optimizer): the wrapped optimizer's param groups (hyperparameters, one flat group id each), the
@@ -998,10 +1034,10 @@ def optimizer_values(m: Mapping[str, Any], flat_groups: Sequence[Mapping[str, An
     flags, hparams = m["optimizer_flags"], m["param_group_hparams"]
     groups = [{**copy.deepcopy(hp), "params": []} for hp in hparams]
     for gid, fg in enumerate(flat_groups):
-        if fg["param_group"] >= len(groups):
-            raise PlanError(f"flat group {gid} belongs to param group {fg['param_group']} but the source has "
+        if fg.param_group >= len(groups):
+            raise PlanError(f"flat group {gid} belongs to param group {fg.param_group} but the source has "
                             f"{len(groups)} optimizer param groups")
-        groups[fg["param_group"]]["params"].append(gid)
+        groups[fg.param_group]["params"].append(gid)
     for hp in groups:
         if isinstance(hp.get("betas"), list):
             hp["betas"] = tuple(hp["betas"])
@@ -1018,23 +1054,23 @@ def optimizer_values(m: Mapping[str, Any], flat_groups: Sequence[Mapping[str, An
     return tuple(ValueItem(key=key, role=role, value=value) for key, role, value in held)
 
 
-def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> dict:
+def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], zero: ZeroFiles) -> dict:
     """A rank's optimizer file: its flat groups' fp32 partitions and state tensors (with derived steps) laid
     out as DeepSpeed's ZeRO optimizer (or BF16_Optimizer) saves them, around the file's values."""
     from checkpoint.safe_load import ZeroStageEnum, fragment_address  # DeepSpeed's, without importing deepspeed
 
-    stage, dp, rank = meta["stage"], meta["dp"], file.rank
+    stage, dp, rank = zero.model.stage, zero.dp, file.rank
     values = {item.key: item.value for item in file.values}
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters = []
-    for gid in range(len(meta["flat_groups"])):
+    for gid in range(len(zero.flat_groups)):
         masters.append(buffers[_master_path(stage, gid)])
         st: dict[str, Any] = {}  # torch's order: the scalars (step) first, then the tensors as the source had them
         if (step_path := _state_path(stage, gid, Kind.STEP)) in values:
             st["step"] = values[step_path]
-        for kind in meta["scalar_kinds"]:
+        for kind in zero.scalar_kinds:
             st[kind] = step_as_stored(buffers[_state_path(stage, gid, kind)])
-        for kind in meta["state_kinds"]:
+        for kind in zero.state_kinds:
             st[kind] = buffers[_state_path(stage, gid, kind)]
         if st:
             state[gid] = st
@@ -1045,20 +1081,20 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                "dynamic_loss_scale": values[(OSD, "dynamic_loss_scale")], "overflow": values[(OSD, "overflow")],
                "partition_count": dp, OSD: base, "fp32_flat_groups": masters}
     else:
-        bf16_optimizer = meta.get("optimizer_flavor") == BF16_OPTIMIZER
+        bf16_optimizer = zero.bf16_optimizer
         paddings, slice_maps = [], []
-        for fg in meta["flat_groups"]:
+        for fg in zero.flat_groups:
             if rank != dp - 1:
                 paddings.append(0)
             else:  # BF16_Optimizer: the group's whole padding; ZeRO-1/2: what its lean master lacks
-                paddings.append(fg["padding"] if bf16_optimizer else fg["partition_size"] - fg["master_numels"][rank])
+                paddings.append(fg.padding if bf16_optimizer else fg.partition - fg.master_numels[rank])
             mapping = OrderedDict()
-            for name in fg["params"]:
-                for r, (lo, hi), so in fg["chunks"][name]:
+            for name in (p.name for p in fg.params):
+                for r, (lo, hi), so in fg.chunks[name]:
                     if r == rank:
                         mapping[name] = fragment_address(numel=hi - lo, start=so)
             slice_maps.append(mapping)
-        counts = [dp] * len(meta["flat_groups"])
+        counts = [dp] * len(zero.flat_groups)
         clip = values[(OSD, "clip_grad")]
         if bf16_optimizer:  # BF16_Optimizer.state_dict(): no loss scaler, no zero_stage
             osd = {"clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
@@ -1068,7 +1104,7 @@ def _optim_states(file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], met
                    "dynamic_loss_scale": values[(OSD, "dynamic_loss_scale")], "overflow": values[(OSD, "overflow")],
                    "clip_grad": clip, "base_optimizer_state": base, "single_partition_of_fp32_groups": masters,
                    "zero_stage": ZeroStageEnum(stage), "group_paddings": paddings,
-                   "param_alignment_paddings": [[0] * len(fg["params"]) for fg in meta["flat_groups"]],
+                   "param_alignment_paddings": [[0] * len(fg.params) for fg in zero.flat_groups],
                    "partition_count": counts}
         osd |= {"ds_version": values[(OSD, "ds_version")], "param_slice_mappings": slice_maps}
     return {OSD: osd} | {key[0]: value for key, value in values.items() if len(key) == 1}

@@ -253,10 +253,13 @@ def universal_target(source: CheckpointIndex, *, zero_stage: int, dp: int) -> Ta
     files.append(TargetFile(path=opt_rel, role="optimizer_state", rank=None, buffers=opt_buffers,
                             values=optimizer_state_values(m, model_state, stage=zero_stage)))
     meta = {**{k: v for k, v in m.items() if k != "model_state"}, "state_report": state_report, "stage": zero_stage,
-            "dp": dp, "universal_tag": tag}
+            "dp": dp, "universal_tag": tag, MODEL_STATES: ds.ModelStatesLayout.of(m, zero_stage)}
     index = CheckpointIndex(format=FORMAT, root="", entries=tuple(entries), files=tuple(f.path for f in files),
                             meta=meta)
     return TargetSpec(index=index, files=tuple(files), commit=(LATEST,), write_mode=WriteMode.IN_PLACE)
+
+
+MODEL_STATES = "model_states_layout"  # the target index's metadata entry holding its ds.ModelStatesLayout
 
 
 def optimizer_state_values(m: Mapping[str, Any], model_state: Mapping[str, Any], *, stage: int
@@ -311,7 +314,7 @@ class UniversalWriter:
         if file.role == "state_report":
             return json.dumps(meta["state_report"], indent=1)
         if file.role == "model_states":
-            return ds.model_states_object(file, buffers, meta)
+            return ds.model_states_object(file, buffers, meta[MODEL_STATES])
         if file.role == "zero_state":
             return {"cat_dim": 0, "param": buffers[("param",)]}
         if file.role == "zero_step":
