@@ -35,6 +35,9 @@ class Writer(Protocol):
     `assemble` returns bytes/str, a `StreamPayload`, or a torch-saveable object. A writer may also
     define `finalize(records, meta) -> {relative path: bytes}`: files the coordinator writes after all
     workers returned (it sees each record's `extra`, what a StreamPayload's `write` returned).
+    A file's non-tensor content comes from its planned values (`TargetFile.values`); `assemble` also builds
+    the target's described files (`TargetSpec.described`), which have values and no buffers, for the
+    coordinator.
     What `assemble` gets and must return depends on the target's `WriteMode` (`TargetSpec.write_mode`).
     For `IN_PLACE` it returns a torch-saveable object holding every buffer unchanged at its key path
     (`_write_in_place`); 0-d buffers (e.g. Adam's step) are the exception: they arrive filled, and the

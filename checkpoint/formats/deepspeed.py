@@ -720,8 +720,9 @@ def deepspeed_target(source: CheckpointIndex, *, dp: int, zero_stage: int) -> Ta
     The source must carry DeepSpeed-style metadata (param groups, scheduler, ...): a DeepSpeed or
     DeepSpeed-universal index. Precision is kept: bf16/fp16 sources give bf16/fp16 targets. A source that
     keeps Adam's step per param group (Megatron) gets torch Adam's per-flat-group step
-    (`adam_step.derived_step`), which the writer adds, so its files are assembled in memory.
-    """
+    (`adam_step.derived_step`), planned as a value of each optimizer file, so its files are assembled in
+    memory. What is not a tensor (the engine's counters, config and client state, the optimizer's param
+    groups and loss scaler, an HF-Trainer source's own files) is planned as the files' values."""
     if dp < 1 or zero_stage not in (1, 2, 3):
         raise PlanError(f"DeepSpeed target needs dp >= 1 and zero_stage in 1..3, got dp={dp} zero_stage={zero_stage}")
     m = source.meta if source.format in DS_META_FORMATS else deepspeed_meta_from(source)

@@ -116,7 +116,8 @@ def test_deepseek_v3_671b_plans_from_2048_to_1024_ranks_with_uneven_stages():
     target = ParallelLayout.from_dict(plan.target.index.meta["target_layout"])
     assert (target.world_size, target.ep, target.first_pipeline_stage_layers,
             target.last_pipeline_stage_layers) == (1024, 32, 4, 1)
-    args = plan.target.index.meta["common"]["args"]
+    (common,) = next(f for f in plan.target.described if f.path.endswith("/common.pt")).values  # planned common.pt
+    args = common.value["args"]
     assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, args.world_size,
             args.expert_model_parallel_size) == (4, 1, 1024, 32)
     fig = plan_figures(plan)
