@@ -480,9 +480,10 @@ class DCPWriter:
     def finalize(self, records: Sequence[FileRecord], meta: Mapping[str, Any]) -> dict[str, bytes]:
         tensors = {_fqn(p): (tuple(s), dt) for p, s, dt in meta["tensors"]}
         planner = {_fqn(p): tuple(p) for p, *_ in meta["tensors"]}
-        placed = [PlacedItem(fqn=fqn, file=rec.path, offset=start, length=length, box=(tuple(offsets), tuple(sizes)))
-                  for rec in records for fqn, offsets, sizes, start, length in (rec.extra or {}).get("chunks", ())]
+        placed = []
         for rec in records:
+            placed += [PlacedItem(fqn=fqn, file=rec.path, offset=start, length=length, box=(tuple(offsets), tuple(sizes)))
+                       for fqn, offsets, sizes, start, length in (rec.extra or {}).get("chunks", ())]
             rows = (rec.extra or {}).get("values", ())
             values, whole = placed_values(rows, rec.path)
             placed += values

@@ -72,6 +72,8 @@ def save_values(stream: Any, values: Iterable[Any], fqn: Any) -> list[list[Any]]
 
     import torch
 
+    from checkpoint.index import dtype_name
+
     rows: list[list[Any]] = []
     for item in values:
         start = stream.tell()
@@ -80,7 +82,7 @@ def save_values(stream: Any, values: Iterable[Any], fqn: Any) -> list[list[Any]]
             stream.write(item.copy.read())
         elif isinstance(item.value, torch.Tensor):
             torch.save(item.value, stream)
-            shape, dtype = list(item.value.shape), str(item.value.dtype).removeprefix("torch.")
+            shape, dtype = list(item.value.shape), dtype_name(item.value.dtype)
         else:
             buf = io.BytesIO()
             torch.save(item.value, buf)

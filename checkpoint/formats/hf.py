@@ -299,6 +299,11 @@ def safetensors_spans(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metad
     return struct.pack("<Q", len(body)) + body, spans
 
 
+def json_file_bytes(value: Any) -> bytes:
+    """A JSON file as `save_pretrained` and the Trainer write them: keys sorted, indented by 2, a final newline."""
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFWriter:
     """Writes the weights as safetensors (architecture in the header metadata), streaming: the header
@@ -306,7 +311,7 @@ class HFWriter:
 
     def assemble(self, file: TargetFile, buffers: Mapping[KeyPath, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "json":  # the index (when sharded), generation_config.json, config.json
-            return (json.dumps(file.values[0].value, indent=2, sort_keys=True) + "\n").encode()
+            return json_file_bytes(file.values[0].value)
         if file.role != "weights":
             raise PlanError(f"HF writer: unknown file role {file.role!r} for {file.path}")
         keys = {b.key[1]: b for b in file.buffers}

@@ -27,7 +27,7 @@ import torch
 
 from checkpoint import safe_load
 from checkpoint.errors import CheckpointFormatError
-from checkpoint.formats.hf import json_object_file
+from checkpoint.formats.hf import json_file_bytes, json_object_file
 from checkpoint.plan import TargetFile, ValueItem, ValueRole
 from checkpoint.state.rng import plan_rng, roles, state_hex, state_tensor
 
@@ -159,5 +159,5 @@ def trainer_file_bytes(file: TargetFile) -> bytes:
     """A file of `trainer_files` as the Trainer writes it: JSON (sorted, indented by 2) or `torch.save`d."""
     value = file.values[0].value
     if file.path.endswith(".json"):
-        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+        return json_file_bytes(value)
     return _saved(value)
