@@ -42,6 +42,7 @@ import torch
 
 from checkpoint.model_shape import ModelShape
 from migrate.workload.run_spec import RunSpec, TrainSpec
+from migrate.workload.megatron.dist_format import fork_writer_results_queue
 
 # Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp; 128 rows at 64 stay 128 at
 # tp 1 and 2, so the unpadded size (which Megatron-LM's args do not record) is not needed there.
@@ -266,6 +267,7 @@ def _save(sd: dict[str, Any], path: str, metadata: dict) -> None:
     torch.distributed.barrier()
     strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
                                                 ps.get_data_parallel_group(with_context_parallel=True))
+    fork_writer_results_queue()  # the same queue, without spawning a fresh interpreter per saving rank
     dist_checkpointing.save(sd, path, strategy, content_metadata=_clean_metadata_for_serialization(metadata))
 
 

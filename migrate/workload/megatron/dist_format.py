@@ -4,6 +4,7 @@ sharded state dict (`model`/`model0..`, `optimizer` with its sharding type, `ite
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from typing import Any
 
@@ -55,6 +56,20 @@ def _state_dict(chunks: list, optimizer: Any, step: int, sampler: SamplerState, 
         state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding_type})
     return state
 
+def fork_writer_results_queue() -> None:
+    """Give Megatron-Core's torch_dist writer, in this process, a results queue served by a process forked
+    from this one.
+
+    Its own (`filesystem_async._get_write_results_queue`) is served by a Manager it spawns: a fresh interpreter
+    that imports torch to unpickle the write results, 2.5 s of CPU and 3 s of waiting in every process's first
+    save. A forked server has torch already; the queue, and so what is written, is the same. Megatron-Core forks
+    its own file writers from the same process. A no-op once the queue exists, or where this Megatron-Core
+    version keeps it elsewhere."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
 def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerState, save_dir: str,
                     model: ModelShape | None = None, micro_batch_size: int | None = None,
                     device_type: str = "cpu") -> str:
@@ -80,6 +95,7 @@ def save_checkpoint(chunks: list, optimizer: Any, step: int, sampler: SamplerSta
         "micro_batch_size": micro_batch_size, "dp": dp, "consumed_samples_per_rank": list(by_dp.values())}
     tokens = None if model is None else sampler.consumed_samples * model.seq_length
     dist.barrier()
+    fork_writer_results_queue()
     dist_checkpointing.save(_state_dict(chunks, optimizer, step, sampler, loading=False, model=model, rng=rng,
                                         data=data, consumed_tokens=tokens), path)
     write_tracker(save_dir, step)
