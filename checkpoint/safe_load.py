@@ -10,15 +10,17 @@ metadata classes, torch's dtypes and sizes): torch's own `FileSystemReader.read_
 unpickles with plain `pickle`, is never called. `check_pickles(root)` applies the same rules to every
 pickled file of a checkpoint tree before a framework's own loader (which unpickles freely) sees it.
 
-DeepSpeed's classes are read and written through stand-ins (`STAND_INS`: same pickled name, same
-state) so that neither reading nor writing a DeepSpeed checkpoint imports deepspeed (~0.7 s): a
-file saved with `torch.save(obj, f, pickle_module=PICKLE_MODULE)` references DeepSpeed's own
-classes, which DeepSpeed loads as usual. Pickled any other way, a stand-in turns into the real
-class (deepspeed imported then).
+DeepSpeed's and Megatron-Core's classes are read and written through stand-ins (`STAND_INS`: same
+pickled name, same state) so that neither reading nor writing a checkpoint imports deepspeed (~0.7 s)
+or megatron.core (the enums and the optimizer config in Megatron-LM's args: ~5 s, Megatron-Core's
+package imports its layers): a file saved with `torch.save(obj, f, pickle_module=PICKLE_MODULE)`
+references the frameworks' own classes, which they load as usual. Pickled any other way, a stand-in
+turns into the real class (the framework imported then). Copies of a stand-in stay stand-ins.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import io
 import os
@@ -172,6 +174,17 @@ class _StandIn:
     def __repr__(self) -> str:
         return f"{self.pickle_name}{self._state()}"
 
+    def __copy__(self) -> Any:
+        new = type(self).__new__(type(self), *self._state()[0])
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        new = type(self).__new__(type(self), *copy.deepcopy(self._state()[0], memo))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
 
 class ZeroStageEnum(int, _StandIn):
     """deepspeed.runtime.zero.config.ZeroStageEnum (an int Enum: 0..3)."""
@@ -235,8 +248,59 @@ class DynamicLossScaler(_StandIn):
                 d.get("delayed_shift", 1), d.get("consecutive_hysteresis", False))
 
 
-STAND_INS: dict[str, type] = {c.pickle_name: c for c in (ZeroStageEnum, fragment_address, LossScaler,
-                                                          DynamicLossScaler)}
+class _EnumMember(_StandIn):
+    """A member of an Enum class named only by `pickle_name`: its value (one object per value, like the
+    members), pickled as Enum pickles its members (the class called with the value)."""
+
+    _members: ClassVar[dict[Any, _EnumMember]]
+    value: Any
+
+    def __new__(cls, value: Any) -> _EnumMember:
+        member = cls._members.get(value)
+        if member is None:
+            member = cls._members[value] = object.__new__(cls)
+            member.value = value
+        return member
+
+    def _state(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        return (self.value,), None
+
+    def __hash__(self) -> int:
+        return hash((self.pickle_name, self.value))
+
+    def __repr__(self) -> str:
+        return f"{self.pickle_name}({self.value!r})"
+
+    def __copy__(self) -> _EnumMember:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _EnumMember:
+        return self
+
+
+class _Object(_StandIn):
+    """An instance of a class named only by `pickle_name` (a dataclass): its attributes, pickled as the
+    class pickles (NEWOBJ, then its attributes as state)."""
+
+
+def _stand_in(base: type[_StandIn], pickle_name: str) -> type[_StandIn]:
+    attrs: dict[str, Any] = {"pickle_name": pickle_name, "__doc__": f"{pickle_name} as pickled ({base.__name__})"}
+    if base is _EnumMember:
+        attrs["_members"] = {}
+    return type(pickle_name.rpartition(".")[2], (base,), attrs)
+
+
+# Megatron-Core's classes in Megatron-LM's pickled args (legacy files, torch_dist common.pt)
+_MEGATRON_ENUMS = ("megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
+                   "megatron.core.transformer.enums.AttnMaskType", "megatron.core.transformer.enums.CudaGraphScope",
+                   "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState",
+                   "megatron.core.rerun_state_machine.RerunDiagnostic")
+_MEGATRON_OBJECTS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
+
+_STAND_IN_CLASSES: tuple[type[_StandIn], ...] = (
+    ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler,
+    *(_stand_in(_EnumMember, n) for n in _MEGATRON_ENUMS), *(_stand_in(_Object, n) for n in _MEGATRON_OBJECTS))
+STAND_INS: dict[str, type] = {c.pickle_name: c for c in _STAND_IN_CLASSES}
 
 
 _PythonPickler: Any = pickle._Pickler  # type: ignore[attr-defined]  # typeshed leaves the pure-Python pickler out

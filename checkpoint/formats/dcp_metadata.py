@@ -72,6 +72,7 @@ def save_values(stream: Any, values: Iterable[Any], fqn: Any) -> list[list[Any]]
 
     import torch
 
+    from checkpoint import safe_load
     from checkpoint.index import dtype_name
 
     rows: list[list[Any]] = []
@@ -85,7 +86,7 @@ def save_values(stream: Any, values: Iterable[Any], fqn: Any) -> list[list[Any]]
             shape, dtype = list(item.value.shape), dtype_name(item.value.dtype)
         else:
             buf = io.BytesIO()
-            torch.save(item.value, buf)
+            torch.save(item.value, buf, pickle_module=safe_load.PICKLE_MODULE)  # stand-ins under their classes' names
             stream.write(buf.getbuffer())
         rows.append([fqn(item.key), list(item.key), start, stream.tell() - start, shape, dtype])
     return rows

@@ -1247,7 +1247,7 @@ class MegatronWriter:
     def assemble(self, file: TargetFile, buffers: Mapping[Any, torch.Tensor], meta: Mapping[str, Any]) -> Any:
         if file.role == "common":
             buf = io.BytesIO()
-            torch.save(file.values[0].value, buf)
+            torch.save(file.values[0].value, buf, pickle_module=safe_load.PICKLE_MODULE)  # Megatron's classes by name
             return buf.getvalue()
         if file.role == "tracker":
             return file.values[0].value

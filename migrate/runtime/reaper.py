@@ -4,8 +4,9 @@
 is killed (kill -9, an OOM kill), nothing in it runs, and Ray's agents outlive it for a minute or
 more, listening on their ports, while they retry a GCS that is gone. `start(driver_pid)` launches
 this module as a small process in a session of its own; it keeps a list of the driver's Ray
-descendants (polled), and when the driver closes the pipe (`Reaper.release`, after `ray.shutdown()`)
-or dies, it kills those still running (and their own children) within about a second. Only
+descendants (polled every half second while new ones appear, every few seconds once they stop), and
+when the driver closes the pipe (`Reaper.release`, after `ray.shutdown()`) or dies, it kills those
+still running (and their own children) within about a second. Only
 processes it saw as descendants of the driver that are Ray's (`ray::*` workers, `ray/` programs)
 are touched, each matched by pid and start time.
 
@@ -21,7 +22,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-POLL_S = 0.5
+POLL_S = 0.5  # while the driver's Ray processes still appear (its start, new workers)
+POLL_MAX_S = 4.0  # once none appeared for a while: each poll walks the process table, and what starts later
+# (workers, agents) is a child of the raylet or the GCS, killed with them
 GRACE_S = 1.0  # after the driver let go: time for a clean ray.shutdown() to finish on its own
 
 
@@ -74,9 +77,12 @@ def watch(driver: int, stdin_fd: int = 0) -> int:
     ones left; returns how many were killed."""
     me = os.getpid()
     seen: dict[int, float] = {}
+    interval = POLL_S
     while True:
-        seen.update(_ray_descendants(driver, me))
-        ready, _, _ = select.select([stdin_fd], [], [], POLL_S)
+        found = _ray_descendants(driver, me)
+        interval = POLL_S if found.keys() - seen.keys() else min(2 * interval, POLL_MAX_S)
+        seen.update(found)
+        ready, _, _ = select.select([stdin_fd], [], [], interval)
         if ready and not os.read(stdin_fd, 4096):
             break
     alive = True

@@ -227,7 +227,7 @@ def test_searched_megatron_arguments_build_the_deepseek_model_in_megatron_lm(tmp
     cand = Candidate(framework="megatron", layout=ParallelLayout(
         dp=2, ep=2, sharding=OptimizerSharding.DISTRIBUTED_OPTIMIZER), micro_batch_size=1)
     argv = megatron_args(DEEPSEEK, TrainingShape(global_batch_size=8, precision="bf16"), cand)
-    (result,) = _megatron_lm_judge([{"argv": argv, "world_size": 2}], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    (result,) = _megatron_lm_judge([{"argv": argv, "world_size": 2, "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}}])
     assert "error" not in result, result
     a = result["args"]
     got = {k: a[k] for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",

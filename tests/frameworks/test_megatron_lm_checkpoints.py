@@ -186,6 +186,29 @@ def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint,
     assert "megatron-lm" in text and "num_query_groups=2" in text and sharding in text
 
 
+@pytest.mark.parametrize("run", [TP2_BF16, LEGACY_TP2_BF16], ids=["torch_dist", "legacy"])
+def test_args_are_read_without_importing_megatron_and_written_as_its_own_classes(megatron_lm_checkpoint, run,
+                                                                                  tmp_path):
+    """Megatron-LM's args hold Megatron-Core's enums (and may hold its optimizer config): read and converted
+    through stand-ins, in a process that never imports megatron (Megatron-Core's package imports its layers,
+    ~5 s of `migrate inspect`), and written back as Megatron-Core's own classes, the same members."""
+    import enum
+
+    src, _ = megatron_lm_checkpoint(run)
+    dst = tmp_path / "tp1"
+    code = ("import sys; from checkpoint.api import LayoutRequest, convert, read_index; read_index(sys.argv[1]); "
+            "convert(sys.argv[1], sys.argv[2], to='megatron', target=LayoutRequest(tp=1, dp=2)); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'deepspeed')))")
+    out = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-3000:]
+    source_file = src / "iter_0000002" / ("common.pt" if run is TP2_BF16 else "mp_rank_00/model_optim_rng.pt")
+    source_args = torch.load(source_file, weights_only=False)["args"]
+    written = torch.load(dst / "iter_0000002" / "common.pt", weights_only=False)["args"]
+    members = {k: v for k, v in vars(source_args).items() if isinstance(v, enum.Enum)}
+    assert {type(v).__module__.split(".")[0] for v in members.values()} >= {"megatron"}, members
+    assert {k: getattr(written, k) for k in members} == members
+
+
 def test_unknown_unpadded_vocab_refuses_a_tp_that_pads_differently(megatron_lm_checkpoint, tmp_path):
     src, _ = megatron_lm_checkpoint(DP2)
     with pytest.raises(PlanError, match=r"padded_vocab_size=128 but not the unpadded vocab size; at tp=4"):

@@ -100,7 +100,8 @@ RECIPES = {
 }
 
 
-def _megatron_lm_judge(requests: list[dict], env: dict[str, str]) -> list[dict]:
+def _megatron_lm_judge(requests: list[dict]) -> list[dict]:
+    """Megatron-LM's verdict on each request (argv, world size, environment) from one process."""
     import os
     import subprocess
     import sys
@@ -109,7 +110,7 @@ def _megatron_lm_judge(requests: list[dict], env: dict[str, str]) -> list[dict]:
         f"{MEGATRON_LM}: Megatron-LM's reference sources are missing; run ./scripts/setup"
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "reference" / "megatron_lm_arguments.py")],
                           input=json.dumps(requests), capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(MEGATRON_LM), **env})
+                          env={**os.environ, "PYTHONPATH": str(MEGATRON_LM)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -157,8 +158,8 @@ def test_megatron_lm_parses_and_validates_every_emitted_plan(tmp_path):
     # The judge refuses what Megatron-LM refuses: an unknown flag, and TP > 1 outside the launch script's env.
     requests += [{"argv": ["--num-layers", "2", "--no-such-flag"], "world_size": 1},
                  {"argv": requests[0]["argv"], "world_size": requests[0]["world_size"]}]
-    judged = _megatron_lm_judge(requests[:-1], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    judged += _megatron_lm_judge(requests[-1:], {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    judged = _megatron_lm_judge([{**r, "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}} for r in requests[:-1]]
+                                + [{**requests[-1], "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}}])
     assert "unrecognized arguments: --no-such-flag" in judged[-2]["error"]
     if plans[0][1].layout.tp > 1:
         assert "CUDA_DEVICE_MAX_CONNECTIONS" in judged[-1]["error"]

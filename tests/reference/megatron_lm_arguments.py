@@ -1,10 +1,11 @@
 """Megatron-LM's own argument handling as the judge of emitted `pretrain_gpt.py` arguments.
 
 Run as a script with the Megatron-LM 0.19.2 sources (the `megatron-core` 0.19.2 wheel, which carries
-`megatron/training/arguments.py`) first on PYTHONPATH. Reads a JSON list of ``{"argv": [...], "world_size": N}``
-from stdin; for each runs `parse_args` then `validate_args` exactly as `initialize_megatron` does, as rank 0 of
-N ranks on a Hopper-class device (`get_device_arch_version` 9: the branch that asks for
-CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP), with the environment the caller gives; prints a JSON list of
+`megatron/training/arguments.py`) first on PYTHONPATH. Reads a JSON list of
+``{"argv": [...], "world_size": N, "env": {name: value}}`` from stdin; for each runs `parse_args` then
+`validate_args` exactly as `initialize_megatron` does, as rank 0 of N ranks on a Hopper-class device
+(`get_device_arch_version` 9: the branch that asks for CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP), in the
+caller's environment with the request's `env` on top (restored after it); prints a JSON list of
 ``{"args": {name: value}}`` or ``{"error": "..."}``.
 
 0.19.2 needs Python 3.12 and imports triton at module level; the torch CPU wheel here is for 3.11. So on
@@ -72,8 +73,9 @@ def _jsonable(value):
     return str(value)
 
 
-def judge(arguments: types.ModuleType, argv: list[str], world_size: int) -> dict:
-    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+def judge(arguments: types.ModuleType, argv: list[str], world_size: int, env: dict[str, str]) -> dict:
+    saved = dict(os.environ)
+    os.environ.update(env, WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
     sys.argv = ["pretrain_gpt.py", *argv]
     out = io.StringIO()
     try:
@@ -84,13 +86,16 @@ def judge(arguments: types.ModuleType, argv: list[str], world_size: int) -> dict
         return {"error": f"parse_args exited {exc.code}: {out.getvalue().strip().splitlines()[-1:]}"}
     except AssertionError as exc:
         return {"error": f"validate_args: {exc}"}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return {"args": {k: _jsonable(v) for k, v in vars(args).items()}}
 
 
 def main() -> None:
     requests = json.load(sys.stdin)
     arguments = _import_arguments()
-    print(json.dumps([judge(arguments, r["argv"], r["world_size"]) for r in requests]))
+    print(json.dumps([judge(arguments, r["argv"], r["world_size"], r.get("env", {})) for r in requests]))
 
 
 if __name__ == "__main__":
