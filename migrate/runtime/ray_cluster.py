@@ -86,14 +86,23 @@ def connect(address: str = "embedded", *, num_cpus: int | None = None,
     reaper = _reaper.start() if address == "embedded" else None
     try:
         if address == "embedded":
-            ray.init(
-                address="local",  # a new cluster of this process's own, even where RAY_ADDRESS names another
-                num_cpus=max(num_cpus or 0, os.cpu_count() or 1),
-                resources=dict(resources or {}),
-                include_dashboard=False,
-                runtime_env={"env_vars": {"PYTHONPATH": _driver_pythonpath()}},
-                **kwargs,
-            )
+            # The driver's import path reaches the workers through the environment the raylet inherits, not a
+            # runtime_env: each worker started for one pays Ray's runtime-env setup first (~0.5 s of CPU).
+            saved = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = _driver_pythonpath()
+            try:
+                ray.init(
+                    address="local",  # a new cluster of this process's own, even where RAY_ADDRESS names another
+                    num_cpus=max(num_cpus or 0, os.cpu_count() or 1),
+                    resources=dict(resources or {}),
+                    include_dashboard=False,
+                    **kwargs,
+                )
+            finally:
+                if saved is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = saved
         else:
             ray.init(address=address, **kwargs)
     except Exception as exc:  # re-raised with the address in the message
