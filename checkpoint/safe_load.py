@@ -256,6 +256,10 @@ class _EnumMember(_StandIn):
     value: Any
 
     def __new__(cls, value: Any) -> _EnumMember:
+        try:
+            hash(value)
+        except TypeError:  # as the Enum itself answers a value none of its members has
+            raise ValueError(f"{value!r} is not a valid {cls.pickle_name}") from None
         member = cls._members.get(value)
         if member is None:
             member = cls._members[value] = object.__new__(cls)

@@ -201,6 +201,38 @@ def test_stand_ins_pickle_exactly_as_deepspeeds_own_classes():
     assert ours_default == GRADIENT_CLIPPING_DEFAULT  # the default our writer stores without importing deepspeed
 
 
+@pytest.mark.slow
+def test_megatron_stand_ins_pickle_exactly_as_megatron_cores_own_classes(tmp_path):
+    import copy
+
+    from megatron.core.enums import ModelType
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.core.rerun_state_machine import RerunMode
+    from megatron.core.transformer.enums import AttnBackend
+
+    def stand_in(real):
+        return safe_load.STAND_INS[f"{type(real).__module__}.{type(real).__qualname__}"]
+
+    config = OptimizerConfig(lr=3e-4, weight_decay=0.1)
+    ours_config = stand_in(config).__new__(stand_in(config))
+    ours_config.__dict__.update(vars(config))
+    real = {"model_type": ModelType.encoder_or_decoder, "attention_backend": AttnBackend.auto,
+            "rerun_mode": RerunMode.DISABLED, "again": AttnBackend.auto, "config": config}
+    ours = {k: v if k == "config" else stand_in(v)(v.value) for k, v in real.items()}
+    assert ours["again"] is ours["attention_backend"]  # one object per member, as the Enum's
+    ours["config"] = ours_config
+    assert _data_pkl(ours, pickle_module=safe_load.PICKLE_MODULE) == _data_pkl(real)
+    torch.save(real, tmp_path / "args.pt")
+    read = safe_load.load(tmp_path / "args.pt")  # through the allow-list: the stand-ins, equal to ours
+    assert read == ours and copy.deepcopy(read) == ours and type(copy.copy(read["config"])) is type(ours_config)
+    # pickled without our pickler, a stand-in becomes the real class (Megatron-Core loads it as its own)
+    back = torch.load(io.BytesIO(_save(read)), weights_only=False)
+    assert {k: v for k, v in back.items() if k != "config"} == {k: v for k, v in real.items() if k != "config"}
+    assert type(back["config"]) is OptimizerConfig and vars(back["config"]) == vars(config)
+    with pytest.raises(ValueError, match=r"\[1\] is not a valid megatron.core.transformer.enums.AttnBackend"):
+        stand_in(AttnBackend.auto)([1])
+
+
 def _save(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
