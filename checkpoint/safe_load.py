@@ -346,18 +346,33 @@ def _registered_by_torch(entry: Any) -> bool:
     return str(getattr(obj, "__module__", "") or "").split(".")[0] == "torch"
 
 
-def _unsafe_globals(source: Any) -> list[str]:
-    """torch's `get_unsafe_globals_in_checkpoint` measured against torch's own safe globals alone: other
-    libraries register classes process-wide at import (Megatron-Core adds numpy's array classes, its configs,
-    BytesIO), which would hide them from the allow-list check."""
-    with _SAFE_GLOBALS_LOCK:
-        registered = torch.serialization.get_safe_globals()
+class _only:  # lower case: used as a context manager, like torch's safe_globals
+    """torch's safe globals for one load or check: torch's own and `entries`, nothing else. Other libraries
+    register classes process-wide at import (Megatron-Core its enums, configs, numpy's arrays, BytesIO), which
+    would hide them from the allow-list check; and torch keeps them in a set, so where one has a stand-in's name,
+    which of the two a load built would be left to the set's order."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self.entries = entries
+
+    def __enter__(self) -> None:
+        _SAFE_GLOBALS_LOCK.acquire()
+        self.registered = torch.serialization.get_safe_globals()
         torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals([g for g in registered if _registered_by_torch(g)])
+        torch.serialization.add_safe_globals([g for g in self.registered if _registered_by_torch(g)] + self.entries)
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(self.registered)
         finally:
-            torch.serialization.add_safe_globals(registered)
+            _SAFE_GLOBALS_LOCK.release()
+
+
+def _unsafe_globals(source: Any) -> list[str]:
+    """torch's `get_unsafe_globals_in_checkpoint` measured against torch's own safe globals alone."""
+    with _only([]):
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
 
 
 def required_globals(path: Path) -> list[str]:
@@ -375,21 +390,10 @@ def required_globals(path: Path) -> list[str]:
         raise CheckpointFormatError(f"{path}: not a readable torch checkpoint (truncated or corrupt?): {err}") from err
 
 
-class allowing:  # lower case: used as a context manager, like torch's safe_globals
-    """Hold the lock and admit the allow-listed globals `names` for torch.load(weights_only=True)."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.ctx = torch.serialization.safe_globals(admitted(names))
-
-    def __enter__(self) -> None:
-        _SAFE_GLOBALS_LOCK.acquire()
-        self.ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.ctx.__exit__(*exc)
-        finally:
-            _SAFE_GLOBALS_LOCK.release()
+def allowing(names: list[str]) -> _only:
+    """Hold the lock and admit the allow-listed globals `names` (and torch's own) for
+    torch.load(weights_only=True)."""
+    return _only(admitted(names))
 
 
 def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False) -> Any:
@@ -413,7 +417,7 @@ def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False
         try:
             if refused:
                 return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-            with torch.serialization.safe_globals(admitted(needed)):
+            with _only(admitted(needed)):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as err:
             reason = _weights_only_reason(str(err))

@@ -203,8 +203,11 @@ def test_stand_ins_pickle_exactly_as_deepspeeds_own_classes():
 
 @pytest.mark.slow
 def test_megatron_stand_ins_pickle_exactly_as_megatron_cores_own_classes(tmp_path):
+    """...also where Megatron-Core registered its own classes as torch's safe globals (at import): a load gets
+    the stand-ins, never one or the other by the order of torch's set."""
     import copy
 
+    import megatron.core.safe_globals  # noqa: F401  # registers ModelType, AttnBackend, OptimizerConfig, ...
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
     from megatron.core.rerun_state_machine import RerunMode
