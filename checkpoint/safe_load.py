@@ -257,10 +257,9 @@ class _EnumMember(_StandIn):
 
     def __new__(cls, value: Any) -> _EnumMember:
         try:
-            hash(value)
-        except TypeError:  # as the Enum itself answers a value none of its members has
+            member = cls._members.get(value)
+        except TypeError:  # unhashable: as the Enum itself answers a value none of its members has
             raise ValueError(f"{value!r} is not a valid {cls.pickle_name}") from None
-        member = cls._members.get(value)
         if member is None:
             member = cls._members[value] = object.__new__(cls)
             member.value = value
@@ -417,7 +416,7 @@ def load(path: str | Path, *, mmap: bool = False, trust_checkpoint: bool = False
         try:
             if refused:
                 return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-            with _only(admitted(needed)):
+            with allowing(needed):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as err:
             reason = _weights_only_reason(str(err))
