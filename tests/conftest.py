@@ -83,14 +83,15 @@ def ray_session():
         yield conn
 
 
-# Local ranks fork from one server that imported every engine's framework and the HF Trainer once (instead
-# of 5-15 s of imports per rank and launch).
+# Local ranks and `migrate` commands (tests/cli_process.py) fork from one server that imported every engine's
+# framework, the HF Trainer and the CLI once (instead of 2-15 s of imports per rank, launch and command).
 from migrate.runtime.worker_group import warm_local_ranks  # noqa: E402
 from migrate.workload.engines import engine_modules  # noqa: E402
+from tests.cli_process import PRELOAD as CLI_PRELOAD  # noqa: E402
 from tests.hf_trainer_fixtures import PRELOAD as HF_TRAINER_PRELOAD  # noqa: E402
 
 warm_local_ranks(*engine_modules("megatron"), *engine_modules("deepspeed"), *engine_modules("fsdp"),
-                 *HF_TRAINER_PRELOAD)
+                 *HF_TRAINER_PRELOAD, *CLI_PRELOAD)
 
 # Checkpoints written by the real engines, made once per session and shared.
 from workload_fixtures import (deepspeed_checkpoint, fsdp_checkpoint, megatron_checkpoint,  # noqa: E402,F401

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ import torch
 from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.model_shape import ModelShape
+from tests.cli_process import run_migrate
 from tests.megatron_lm_fixtures import (DEEPSEEK, MegatronLMRun, assert_loads_with_every_state_equal,
                                       assert_megatron_gives_hf_logits, megatron_logits, saved_runs)
 
@@ -149,8 +148,7 @@ def test_deepseek_formats_not_mapped_yet_are_refused_in_one_line(tmp_path):
     architecture and the formats it converts to, exit 2, nothing written."""
     _transformers_deepseek(tmp_path / "hf", DEEPSEEK)
     for to in ("deepspeed", "dcp"):
-        out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(tmp_path / "hf"), str(tmp_path / to),
-                              "--to", to], capture_output=True, text=True)
+        out = run_migrate(["convert", str(tmp_path / "hf"), str(tmp_path / to), "--to", to])
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         line = out.stderr.strip().splitlines()[-1]
         assert "deepseek_v3" in line and "megatron" in line and to in line, line

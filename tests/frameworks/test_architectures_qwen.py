@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from checkpoint.api import LayoutRequest, convert, read_index
+from tests.cli_process import run_migrate
 from tests.megatron_lm_fixtures import (LLAMA, MegatronLMRun, assert_megatron_gives_hf_logits, load_megatron_lm,
                                       megatron_logits, plain_state, saved_runs)
 
@@ -172,8 +173,6 @@ def test_searched_megatron_arguments_build_the_qwen_model():
 def test_other_families_are_refused_naming_what_is_supported(tmp_path, model_type):
     """A transformers-saved Gemma or GPT-OSS folder: `inspect` and `convert` refuse it in one line naming the model
     type and the supported ones, exit 2."""
-    import subprocess
-    import sys
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -184,7 +183,7 @@ def test_other_families_are_refused_naming_what_is_supported(tmp_path, model_typ
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(tmp_path / "hf")
     for argv in (["inspect", str(tmp_path / "hf")], ["convert", str(tmp_path / "hf"), str(tmp_path / "out"),
                                                      "--to", "megatron"]):
-        out = subprocess.run([sys.executable, "-m", "migrate", *argv], capture_output=True, text=True)
+        out = run_migrate(argv)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         line = out.stderr.strip().splitlines()[-1]
         assert repr(model_type) in line and "qwen2" in line and "qwen3" in line and "llama" in line, line

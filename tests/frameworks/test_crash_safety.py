@@ -1,6 +1,6 @@
 """kill -9 at random points of real conversions: nothing a loader takes for complete is ever left behind.
 
-For each target format (and with worker processes) a `migrate convert` process is killed with SIGKILL at a
+For each target format (and with worker processes) a `migrate convert` process (tests/cli_process.py) is killed with SIGKILL at a
 random moment of its write phase, over several seeds (then at its start, until one kill lands before the
 end). After each kill: the source is byte-for-byte unchanged; the destination is either finished (its
 manifest verifies) or refused by our reader and by the target framework's own entry point (DeepSpeed's
@@ -18,8 +18,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from checkpoint.destination import INCOMPLETE, MANIFEST
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import verify_manifest
 from migrate.cli import main as cli
+from tests.cli_process import MigrateProcess, start_migrate
 
 pytestmark = pytest.mark.slow
 SEEDS = (0, 1, 2)
@@ -118,10 +117,8 @@ CASES: list[tuple[str, Callable[[dict], Path], list[str], Callable[[Path], bool]
 ]
 
 
-def _run(src: Path, dest: Path, options: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "migrate", "convert", str(src), str(dest), *options],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+def _run(src: Path, dest: Path, options: list[str]) -> MigrateProcess:
+    return start_migrate(["convert", str(src), str(dest), *options], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _write_seconds(src: Path, dest: Path, options: list[str]) -> float:

@@ -16,8 +16,6 @@ import dataclasses
 import io
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 from checkpoint.api import LayoutRequest, convert, read_index
 from migrate.workload.fixtures import TINY_LLAMA
+from tests.cli_process import run_migrate
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +126,7 @@ def test_torchtitan_layout_carries_its_state_and_says_where_it_found_the_model(u
     assert len(groups) == 1 and groups[0]["weight_decay"] == 0.1
     assert index.meta["train_state"]["lr_scheduler"]["last_epoch"] == STEPS
     assert set(index.meta["dcp_values"]["dataloader"]) == {f"dp_rank_{r}" for r in range(WORLD)} | {"world_size"}
-    out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(src), "--json"], capture_output=True,
-                         text=True, check=True)
+    out = run_migrate(["inspect", str(src), "--json"], check=True)
     info = json.loads(out.stdout)
     assert info["dcp_layout"] == index.meta["dcp_layout"] and info["global_step"] == STEPS
 

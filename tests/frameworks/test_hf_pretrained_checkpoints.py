@@ -15,6 +15,7 @@ import torch
 
 from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import PlanError
+from tests.cli_process import run_migrate
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -107,13 +108,10 @@ def test_config_that_disagrees_with_the_weights_is_refused_naming_fields(tmp_pat
 
 
 def test_bad_max_shard_size_is_one_line_naming_it(tmp_path):
-    import subprocess
-    import sys
 
     src = tmp_path / "src"
     _save_pretrained("llama", src)
-    out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(src), str(tmp_path / "dst"), "--to", "hf",
-                          "--max-shard-size", "lots"], capture_output=True, text=True)
+    out = run_migrate(["convert", str(src), str(tmp_path / "dst"), "--to", "hf", "--max-shard-size", "lots"])
     assert out.returncode == 2 and "Traceback" not in out.stderr and "--max-shard-size 'lots'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 

@@ -27,6 +27,7 @@ from checkpoint.errors import CheckpointError, PlanError
 from checkpoint.index import Kind
 from checkpoint.materialize import iter_tensors
 from checkpoint.plan import summarize
+from tests.cli_process import run_migrate
 from tests.megatron_lm_fixtures import (FLOPS_SO_FAR, MegatronLMRun, load_megatron_lm, megatron_logits, plain_state,
                                        save_megatron_lm)
 
@@ -171,8 +172,7 @@ def test_megatron_lm_refuses_the_source_at_another_tp_but_not_the_conversion(meg
                                               (LEGACY_TP2_BF16, "megatron-legacy", "dp_zero")])
 def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint, run, fmt, sharding):
     src, _ = megatron_lm_checkpoint(run)
-    out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(src), "--json"], capture_output=True,
-                         text=True, check=True)
+    out = run_migrate(["inspect", str(src), "--json"], check=True)
     info = json.loads(out.stdout)
     assert info["format"] == fmt and info["layout"]["tp"] == 2 and info["layout"]["dp"] == 1
     assert info["global_step"] == 2 and info["model_dtype"] == "bfloat16"
@@ -181,8 +181,7 @@ def test_inspect_shows_architecture_and_layout_from_args(megatron_lm_checkpoint,
     assert args["num_layers"] == 2 and args["num_query_groups"] == 2 and args["normalization"] == "RMSNorm"
     assert args["params_dtype"] == "bfloat16" and args["consumed_train_samples"] == 16
     assert info["architecture"]["architecture"] == "llama" and info["architecture"]["vocab_size"] == 128
-    text = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(src)], capture_output=True, text=True,
-                          check=True).stdout
+    text = run_migrate(["inspect", str(src)], check=True).stdout
     assert "megatron-lm" in text and "num_query_groups=2" in text and sharding in text
 
 
@@ -253,8 +252,7 @@ def test_args_the_rules_do_not_map_are_named(megatron_lm_checkpoint, tmp_path, f
 def test_cli_names_the_unmapped_field_in_one_line(megatron_lm_checkpoint, tmp_path):
     src, _ = megatron_lm_checkpoint(DP2)
     copy = _with_args(src, tmp_path / "copy", add_bias_linear=True)
-    out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(copy), str(tmp_path / "out"), "--to", "hf"],
-                         capture_output=True, text=True)
+    out = run_migrate(["convert", str(copy), str(tmp_path / "out"), "--to", "hf"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "add_bias_linear=True" in out.stderr and str(copy / "common.pt") in out.stderr
     assert not (tmp_path / "out").exists()
@@ -352,7 +350,7 @@ def test_numpy_in_megatron_lm_files_loads_only_as_plain_arrays(megatron_lm_check
     planted = _with_args(src, tmp_path / "planted", extra=np.array([Payload(marker)], dtype=object))
     with pytest.raises(UntrustedCheckpointError, match=re.escape(str(planted / "common.pt"))):
         read_index(planted)
-    out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(planted)], capture_output=True, text=True)
+    out = run_migrate(["inspect", str(planted)])
     assert out.returncode == 2 and "Traceback" not in out.stderr and not marker.exists()
     objects = _with_args(src, tmp_path / "objects", extra=np.array([1, "a"], dtype=object))  # no global named
     with pytest.raises(UntrustedCheckpointError, match="ObjectDType"):

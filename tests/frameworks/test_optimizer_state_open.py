@@ -14,8 +14,6 @@ parameter stays whole and refused by name where a target splits or flattens it; 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import torch
 from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import PlanError
 from checkpoint.index import Kind
+from tests.cli_process import run_migrate
 
 pytestmark = pytest.mark.slow
 
@@ -218,8 +217,7 @@ def test_targets_with_adam_slots_refuse_other_state_by_name(saved, tmp_path, to)
     with pytest.raises(PlanError, match=r"momentum_buffer on 2 parameter\(s\), e\.g\. 0\.weight has no place there"):
         convert(src, dst, to=to, target=LayoutRequest(dp=1, zero_stage=2)) if to != "megatron" else convert(src, dst, to=to)
     assert not dst.exists()
-    cli = subprocess.run([sys.executable, "-m", "migrate", "convert", str(src), str(tmp_path / "cli"), "--to", to],
-                         capture_output=True, text=True)
+    cli = run_migrate(["convert", str(src), str(tmp_path / "cli"), "--to", to])
     assert cli.returncode == 2 and "momentum_buffer" in cli.stderr and "Traceback" not in cli.stderr
 
 

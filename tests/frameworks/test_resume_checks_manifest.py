@@ -51,7 +51,8 @@ def _damage_remove(ckpt: Path) -> str:
 
 
 @pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip, _damage_remove], ids=["truncated", "flipped", "missing"])
-def test_resume_refuses_a_converted_checkpoint_that_differs_from_its_manifest(tmp_path, deepspeed_checkpoint, damage):
+def test_resume_refuses_a_converted_checkpoint_that_differs_from_its_manifest(tmp_path, deepspeed_checkpoint, damage,
+                                                                             ray_session):
     source = deepspeed_checkpoint(2, 1)
     job = _job(tmp_path, source.path)
     runner = CliRunner()

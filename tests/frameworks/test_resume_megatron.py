@@ -41,7 +41,7 @@ def _job(tmp_path: Path, source: dict, target: dict) -> Path:
 # The stage's path is the same for every split; the layout changes themselves (DP 4->2/4->3/2->4, TP 2->1,
 # PP 2->1, vPP) are covered at the conversion level by tests/frameworks/test_megatron_resume_continuity.py.
 @pytest.mark.parametrize("source, target", [({"tp": 2}, {"tp": 1})], ids=["tp2-to-tp1"])
-def test_megatron_job_moves_to_another_split_and_continues(tmp_path, source, target):
+def test_megatron_job_moves_to_another_split_and_continues(tmp_path, source, target, ray_session):
     job = _job(tmp_path, source, target)
     result = CliRunner().invoke(main, ["run", str(job)])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_baseline_then_resume_continues_the_loss_bit_identically(tmp_path, workload_extensions_dir):
+def test_baseline_then_resume_continues_the_loss_bit_identically(tmp_path, workload_extensions_dir, ray_session):
     data = copy.deepcopy(yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text()))
     data["work_dir"] = str(tmp_path / "work")
     data["source"]["layout"] = {"tp": 1, "pp": 1, "dp": 2, "sharding": "zero1"}

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -24,6 +22,7 @@ from checkpoint.api import LayoutRequest, convert, read_index
 from checkpoint.errors import CheckpointFormatError
 from checkpoint.rules.megatron import pipeline_stage_layers
 from migrate.commands.inspect import describe
+from tests.cli_process import run_migrate
 from tests.megatron_lm_fixtures import (DEEPSEEK, LLAMA, MegatronLMRun, assert_loads_with_every_state_equal,
                                       assert_synthesized_metadata_is_megatrons, saved_runs)
 
@@ -129,8 +128,7 @@ def test_splits_that_do_not_fit_are_refused_in_one_line(uneven_checkpoint, tmp_p
               "the 1 remaining layer(s) do not split evenly over 2 middle pipeline rank(s)"),
              (["--to", "dcp", "--first-pipeline-stage-layers", "3"], "only megatron and megatron-legacy targets place")]
     for i, (flags, expected) in enumerate(cases):
-        out = subprocess.run([sys.executable, "-m", "migrate", "convert", str(src), str(tmp_path / f"out{i}"), *flags],
-                             capture_output=True, text=True)
+        out = run_migrate(["convert", str(src), str(tmp_path / f"out{i}"), *flags])
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert expected in out.stderr.strip().splitlines()[-1], out.stderr
         assert not (tmp_path / f"out{i}").exists()
@@ -143,8 +141,7 @@ def test_splits_that_do_not_fit_are_refused_in_one_line(uneven_checkpoint, tmp_p
     common = torch.load(common_pt, weights_only=False)
     common["args"].pipeline_model_parallel_layout = "Et|ttttL"
     torch.save(common, common_pt)
-    out = subprocess.run([sys.executable, "-m", "migrate", "inspect", str(laid_out)],
-                         capture_output=True, text=True)
+    out = run_migrate(["inspect", str(laid_out)])
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "pipeline_model_parallel_layout" in out.stderr and "not read yet" in out.stderr, out.stderr
 

@@ -3,8 +3,6 @@ without them, or for more devices than a cluster has, or packed more to a node t
 seconds with every shortfall named and the numbers, exit code 2."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import yaml
 
 from migrate.job.load import load_job
 from migrate.runtime.resources import ClusterResources, GroupNeed, NodeResources, shortfalls, stage_needs
+from tests.cli_process import run_migrate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,8 +73,7 @@ def test_a_device_that_cannot_be_used_is_one_reason_per_stage():
 def test_a_job_for_devices_this_machine_lacks_stops_in_seconds_naming_every_stage(tmp_path, target, expected):
     job = _job(tmp_path, **target)
     began = time.monotonic()
-    run = subprocess.run([str(Path(sys.executable).with_name("migrate")), "run", str(job)], capture_output=True,
-                         text=True, timeout=120)
+    run = run_migrate(["run", str(job)], timeout=120)
     seconds = time.monotonic() - began
     assert run.returncode == 2, run.stdout + run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]

@@ -4,11 +4,11 @@ job's verdict line, instead of the search's choice being dropped silently."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tests.cli_process import run_migrate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +24,7 @@ def _run(tmp_path: Path, layout: dict | None) -> tuple[subprocess.CompletedProce
         data["target"]["layout"] = layout
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    run = subprocess.run([sys.executable, "-m", "migrate", "run", str(path)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    run = run_migrate(["run", str(path)], timeout=300, cwd=tmp_path)
     return run, work
 
 
