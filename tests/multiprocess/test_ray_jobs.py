@@ -68,7 +68,7 @@ def _stop(temp: str) -> None:
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(mine, timeout=15)
+    _, alive = psutil.wait_procs(mine, timeout=5)  # a test cluster: no state worth a longer grace period
     for proc in alive:
         proc.kill()
     shutil.rmtree(temp, ignore_errors=True)
