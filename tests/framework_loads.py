@@ -17,15 +17,22 @@ from typing import Any
 import torch
 
 from checkpoint.model_shape import ModelShape
-from migrate.workload.fixtures import run_warm
 
 
+def _group(world_size: int, engine: str):
+    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
+    from migrate.workload.engines import engine_modules
+
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return start_worker_group(WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env,
+                                              timeout_s=300, preload=engine_modules(engine)))
 
 
 def deepspeed_loaded(model: ModelShape, load_dir: str | Path, *, dp: int, zero_stage: int, precision: str
                      ) -> tuple[dict[tuple[str, str], torch.Tensor], list[float]]:
     """What DeepSpeed's `load_checkpoint` restores at `dp` ranks: ({(name, kind): full tensor}, Adam steps)."""
-    return run_warm(dp, _rank_deepspeed, model, str(load_dir), zero_stage, precision)[0]
+    with _group(dp, "deepspeed") as group:
+        return group.run(_rank_deepspeed, model, str(load_dir), zero_stage, precision)[0]
 
 
 def _rank_deepspeed(ctx: Any, model: ModelShape, load_dir: str, zero_stage: int, precision: str) -> Any:
@@ -67,7 +74,8 @@ def dcp_loaded(model: ModelShape | dict[str, Any], load_dir: str | Path, *, dp: 
     the way torchtitan's CheckpointManager does: ModelWrapper's model keys at the top level, OptimizersContainer's
     flattened optimizer state, and TrainState's int32 step (returned under ("train_state", "step")). `model` is the
     built-in decoder's spec or {"hf_config": {...}}: a transformers model built from that config."""
-    return run_warm(dp, _rank_dcp, model, str(load_dir), precision, layout)[0]
+    with _group(dp, "fsdp") as group:
+        return group.run(_rank_dcp, model, str(load_dir), precision, layout)[0]
 
 
 def _rank_dcp(ctx: Any, model: ModelShape, load_dir: str, precision: str, layout: str) -> Any:

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from checkpoint.model_shape import ModelShape
-from migrate.workload.fixtures import run_warm
 from migrate.workload.run_spec import RunSpec, TrainSpec
 from migrate.workload.megatron.dist_format import fork_writer_results_queue
 
@@ -522,15 +521,26 @@ def _rank_load(ctx: Any, run: MegatronLMRun, load_dir: str, out: str) -> dict[st
 
 # ---------------------------------------------------------------- driver side
 
+def _group(world_size: int):
+    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
+    from migrate.workload.engines import engine_modules
+
+    env = {"OMP_NUM_THREADS": "1"}
+    return start_worker_group(WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env,
+                                              timeout_s=300, preload=engine_modules("megatron")))
+
+
 def save_megatron_lm(run: MegatronLMRun, save_dir: str | Path) -> list[dict[str, Any]]:
     """Train `run` and save it as Megatron-LM does into `save_dir` (plus `save_dir/reference`); per rank results."""
-    return run_warm(run.world_size, _rank_save, run, str(save_dir))
+    with _group(run.world_size) as group:
+        return group.run(_rank_save, run, str(save_dir))
 
 
 def finetune_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     """Load `load_dir` at `run`'s layout (pp 1) as Megatron-LM's `load_checkpoint` does with --finetune (the model
     only: no optimizer, scheduler or RNG state; iteration 0) and return the logits of `tokens`, gathered over TP."""
-    return run_warm(run.world_size, _rank_model_logits, run, str(load_dir), tokens)[0]
+    with _group(run.world_size) as group:
+        return group.run(_rank_model_logits, run, str(load_dir), tokens)[0]
 
 
 def _rank_model_logits(ctx: Any, run: MegatronLMRun, load_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -591,8 +601,9 @@ def saved_runs(tmp_path_factory: Any, runs: dict[str, MegatronLMRun], prefix: st
 def load_megatron_lm(run: MegatronLMRun, load_dir: str | Path, out: str | Path) -> list[dict[str, Any]]:
     """Load `load_dir` at `run`'s layout as Megatron-LM's `load_checkpoint` does; the loaded state is saved fully
     reshardable into `out` (`plain_state(out)`); per rank what was restored."""
-    return run_warm(run.world_size, _rank_load_legacy if run.ckpt_format == "torch" else _rank_load, run,
-                    str(load_dir), str(out))
+    with _group(run.world_size) as group:
+        return group.run(_rank_load_legacy if run.ckpt_format == "torch" else _rank_load, run, str(load_dir),
+                         str(out))
 
 
 def assert_loads_with_every_state_equal(run: MegatronLMRun, load_dir: str | Path, out: str | Path,
@@ -639,13 +650,15 @@ def megatron_logits(run: MegatronLMRun, load_dir: str | Path, tokens: torch.Tens
     rank, in eval mode."""
     one = dataclasses.replace(run, tp=1, pp=1, dp=1, ep=1, precision="fp32", bucket_size=None,
                               first_pipeline_stage_layers=None, last_pipeline_stage_layers=None)
-    return run_warm(1, _rank_model_logits, one, str(load_dir), tokens)[0]
+    with _group(1) as group:
+        return group.run(_rank_model_logits, one, str(load_dir), tokens)[0]
 
 
 def plain_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist checkpoint as one global tensor (Megatron-Core's `load_plain_tensors`,
     on one rank)."""
-    return run_warm(1, _rank_plain, str(path))[0]
+    with _group(1) as group:
+        return group.run(_rank_plain, str(path))[0]
 
 
 def _rank_plain(ctx: Any, path: str) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Real framework checkpoints for tests of other components (conversion, resume, gate).
 
 Each helper trains the tiny built-in model with the real engine on a local Gloo worker group (kept
-warm between runs: `run_warm`) and returns where the engine wrote its checkpoint. Launches cost
+warm between launches: `launch`) and returns where the engine wrote its checkpoint. Launches cost
 1-30 s: share the results through session-scoped pytest fixtures (tests/workload_fixtures.py).
 """
 from __future__ import annotations
@@ -10,8 +10,7 @@ import atexit
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from checkpoint.model_shape import ModelShape
 from migrate.workload.metrics import RankResult
@@ -19,8 +18,6 @@ from migrate.workload.run_spec import Precision, RunSpec, TrainSpec
 
 if TYPE_CHECKING:
     from migrate.runtime.worker_group import WorkerGroup
-
-R = TypeVar("R")
 
 TINY_LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32)
@@ -44,73 +41,44 @@ class TrainedCheckpoint:
         return self.results[0].losses
 
 
-# Local Gloo worker groups kept between runs, one per world size: a rank that trained or loaded once has
-# imported and initialised its framework, so the next run on it takes a fraction of the time.
-_WARM_GROUPS: dict[int, WorkerGroup] = {}
-_WARM_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-
-
-def run_warm(world_size: int, fn: Callable[..., R], *args: Any, timeout_s: float = 600.0) -> list[R]:
-    """``fn(ctx, *args)`` on every rank of this process's local Gloo worker group of `world_size` ranks (started
-    on first use, with the environment and import path of that moment); results in rank order.
-
-    The group is kept for the next run at that world size, so `fn` must leave its rank as it found it (the
-    built-in engines do: seeds set per run, model-parallel state destroyed). A run that fails closes the group,
-    as does one after which a rank holds more than MAX_RANK_THREADS threads: the next run starts on fresh ranks.
-    The groups close when this process exits (`close_warm_groups`)."""
-    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
-    from migrate.workload.engines import engine_modules
-
-    group = _WARM_GROUPS.get(world_size)
-    if group is None:
-        if not _WARM_GROUPS:
-            atexit.register(close_warm_groups)
-        env = dict(_WARM_ENV)
-        if "TORCH_EXTENSIONS_DIR" in os.environ:
-            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
-        preload = tuple(m for engine in ("deepspeed", "megatron", "fsdp") for m in engine_modules(engine))
-        group = _WARM_GROUPS[world_size] = start_worker_group(WorkerGroupSpec(
-            world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=600.0, preload=preload))
-    try:
-        results = group.run(_counting_threads, fn, *args, timeout_s=timeout_s)
-    except BaseException:
-        del _WARM_GROUPS[world_size]
-        group.close()
-        raise
-    if max(threads for _, threads in results) > MAX_RANK_THREADS:
-        del _WARM_GROUPS[world_size]
-        group.close()
-    return [value for value, _ in results]
-
-
-# A rank keeps the threads of every process group a run created on it (two Gloo threads or more per group; a
-# Megatron run creates about 50): past this many the group is closed after its run and the next starts anew.
-MAX_RANK_THREADS = 64
-
-
-def _counting_threads(ctx: Any, fn: Callable[..., R], *args: Any) -> tuple[R, int]:
-    """``fn(ctx, *args)`` and how many threads the rank has after it (0 where /proc is missing)."""
-    value = fn(ctx, *args)
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:
-        threads = 0
-    return value, threads
-
-
-def close_warm_groups() -> None:
-    """Stop the worker groups `run_warm` kept."""
-    while _WARM_GROUPS:
-        _, group = _WARM_GROUPS.popitem()
-        group.close()
+# Local Gloo worker groups kept between launches, one per world size and environment: a rank that trained or
+# loaded once has imported and initialised its framework, so the next launch on it takes a fraction of the time.
+_WARM_GROUPS: dict[tuple[int, tuple[tuple[str, str], ...]], WorkerGroup] = {}
 
 
 def launch(spec: RunSpec, world_size: int, timeout_s: float = 600.0) -> list[RankResult]:
-    """Run a built-in engine at `world_size` ranks on a warm local Gloo worker group (`run_warm`); per-rank
-    results."""
-    from migrate.workload.engines import rank_entry
+    """Run a built-in engine on a local Gloo worker group of `world_size` ranks; per-rank results.
 
-    return run_warm(world_size, rank_entry(spec.engine), spec, timeout_s=timeout_s)
+    The group is kept for the next launch at the same world size (every engine leaves its ranks as it found
+    them: seeds set per run, model-parallel state destroyed); a launch that fails closes it, so the next one
+    starts on fresh ranks. The groups are closed when this process exits (`close_warm_groups`)."""
+    from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
+    from migrate.workload.engines import engine_modules, rank_entry
+
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    key = (world_size, tuple(sorted(env.items())))
+    group = _WARM_GROUPS.get(key)
+    if group is None:
+        if not _WARM_GROUPS:
+            atexit.register(close_warm_groups)
+        group = _WARM_GROUPS[key] = start_worker_group(WorkerGroupSpec(
+            world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=max(timeout_s, 600.0),
+            preload=engine_modules(spec.engine)))
+    try:
+        return group.run(rank_entry(spec.engine), spec, timeout_s=timeout_s)
+    except BaseException:
+        del _WARM_GROUPS[key]
+        group.close()
+        raise
+
+
+def close_warm_groups() -> None:
+    """Stop the worker groups `launch` kept."""
+    while _WARM_GROUPS:
+        _, group = _WARM_GROUPS.popitem()
+        group.close()
 
 
 def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zero_stage: int,
