@@ -1,23 +1,18 @@
 """Real framework checkpoints for tests of other components (conversion, resume, gate).
 
-Each helper trains the tiny built-in model with the real engine on a local Gloo worker group (kept
-warm between launches: `launch`) and returns where the engine wrote its checkpoint. Launches cost
-1-30 s: share the results through session-scoped pytest fixtures (tests/workload_fixtures.py).
+Each helper starts a local Gloo worker group, trains the tiny built-in model with the real
+engine and returns where the engine wrote its checkpoint. Launches cost 5-30 s: share the
+results through session-scoped pytest fixtures (tests/workload_fixtures.py).
 """
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from checkpoint.model_shape import ModelShape
 from migrate.workload.metrics import RankResult
 from migrate.workload.run_spec import Precision, RunSpec, TrainSpec
-
-if TYPE_CHECKING:
-    from migrate.runtime.worker_group import WorkerGroup
 
 TINY_LLAMA = ModelShape(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=32)
@@ -41,44 +36,18 @@ class TrainedCheckpoint:
         return self.results[0].losses
 
 
-# Local Gloo worker groups kept between launches, one per world size and environment: a rank that trained or
-# loaded once has imported and initialised its framework, so the next launch on it takes a fraction of the time.
-_WARM_GROUPS: dict[tuple[int, tuple[tuple[str, str], ...]], WorkerGroup] = {}
-
-
 def launch(spec: RunSpec, world_size: int, timeout_s: float = 600.0) -> list[RankResult]:
-    """Run a built-in engine on a local Gloo worker group of `world_size` ranks; per-rank results.
-
-    The group is kept for the next launch at the same world size (every engine leaves its ranks as it found
-    them: seeds set per run, model-parallel state destroyed); a launch that fails closes it, so the next one
-    starts on fresh ranks. The groups are closed when this process exits (`close_warm_groups`)."""
+    """Run a built-in engine on a fresh local Gloo worker group; per-rank results."""
     from migrate.runtime.worker_group import WorkerGroupSpec, start_worker_group
     from migrate.workload.engines import engine_modules, rank_entry
 
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if "TORCH_EXTENSIONS_DIR" in os.environ:
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
-    key = (world_size, tuple(sorted(env.items())))
-    group = _WARM_GROUPS.get(key)
-    if group is None:
-        if not _WARM_GROUPS:
-            atexit.register(close_warm_groups)
-        group = _WARM_GROUPS[key] = start_worker_group(WorkerGroupSpec(
-            world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=max(timeout_s, 600.0),
-            preload=engine_modules(spec.engine)))
-    try:
-        return group.run(rank_entry(spec.engine), spec, timeout_s=timeout_s)
-    except BaseException:
-        del _WARM_GROUPS[key]
-        group.close()
-        raise
-
-
-def close_warm_groups() -> None:
-    """Stop the worker groups `launch` kept."""
-    while _WARM_GROUPS:
-        _, group = _WARM_GROUPS.popitem()
-        group.close()
+    group_spec = WorkerGroupSpec(world_size=world_size, mode="local", backend="gloo", env=env, timeout_s=timeout_s,
+                                 preload=engine_modules(spec.engine))
+    with start_worker_group(group_spec) as group:
+        return group.run(rank_entry(spec.engine), spec)
 
 
 def make_deepspeed_checkpoint(directory: str | os.PathLike, world_size: int, zero_stage: int,
