@@ -11,11 +11,13 @@ installed entry point itself, starts a real interpreter (`subprocess`) instead.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,9 +26,6 @@ PRELOAD = ("migrate.cli",)  # what the fork server imports besides the framework
 
 def _main(args: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
     """The child: the console script's work, then the interpreter's exit handlers; exits with the CLI's code."""
-    import atexit
-    import traceback
-
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -1,8 +1,8 @@
 """kill -9 at random points of real conversions: nothing a loader takes for complete is ever left behind.
 
-For each target format (and with worker processes) a `migrate convert` process (tests/cli_process.py) is killed with SIGKILL at a
-random moment of its write phase, over several seeds (then at its start, until one kill lands before the
-end). After each kill: the source is byte-for-byte unchanged; the destination is either finished (its
+For each target format (and with worker processes) a `migrate convert` process (tests/cli_process.py) is
+killed with SIGKILL at a random moment of its write phase, over several seeds (then at its start, until one
+kill lands before the end). After each kill: the source is byte-for-byte unchanged; the destination is either finished (its
 manifest verifies) or refused by our reader and by the target framework's own entry point (DeepSpeed's
 zero_to_fp32 reads `latest`, DCP's loader `.metadata`, Megatron-LM's tracker, then Megatron-Core's
 `check_is_distributed_checkpoint`, safetensors the weights file); no worker outlives its coordinator; a
