@@ -8,8 +8,8 @@ from migrate.workload.metrics import RankResult
 
 
 # Besides the framework and the engine: what a rank imports later, inside the framework's initialize, model
-# build, save and load (about 45 modules per run, 0.05 s of a rank's 0.2-0.5 s of CPU). A name this version of
-# the framework lacks is skipped. Nothing here may touch a GPU at import (ranks are forked after it).
+# build, save and load (about 45 modules a run: 0.03-0.06 s of a rank's 0.15-0.6 s of CPU). The fork server
+# skips a name this version of the framework lacks. Nothing here may touch a GPU at import: ranks fork after it.
 _RANK_MODULES = ("checkpoint.state.fingerprint", "migrate.workload.state_print")
 _ENGINE_MODULES = {
     "deepspeed": ("deepspeed", "migrate.workload.deepspeed_engine", *_RANK_MODULES,
