@@ -76,9 +76,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """An embedded Ray cluster with 8 logical CPUs, shared by the tests of one file (five files use it). Kept for
-    the whole session it sat idle from the first such file to the end, its raylet, agents and up to eight idle
-    workers polling: 3-6 s of CPU a minute, more than the 5 s a cluster costs to start."""
+    """An embedded Ray cluster with 8 logical CPUs, shared by the tests of one file. Kept for the whole session it
+    sat idle from the first file using it to the end, its raylet, agents and up to eight idle workers polling:
+    3-6 s of CPU a minute, more than the 5 s a cluster costs to start."""
     from migrate.runtime.ray_cluster import connect
 
     with connect("embedded", num_cpus=8) as conn:
