@@ -365,13 +365,16 @@ def zero_to_fp32_reference(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def deepspeed_checkpoints(tmp_path_factory):
-    """Session factory: `get(spec) -> checkpoint dir`, each spec trained once per test session."""
-    root = tmp_path_factory.mktemp("ds_sources")
+    """Session factory: `get(spec) -> checkpoint dir`, each spec trained once per test run (the xdist workers
+    share it: `built_once`)."""
+    from workload_fixtures import built_once  # here, not at the top: the spawned ranks import this module
+
     made: dict[DSCheckpointSpec, Path] = {}
 
     def get(spec: DSCheckpointSpec) -> Path:
         if spec not in made:
-            made[spec] = make_deepspeed_checkpoint(spec, root)
+            made[spec] = built_once(tmp_path_factory, f"ds_sources_{spec.name}_s{spec.steps}_seed{spec.seed}_{spec.tag}",
+                                    lambda folder: make_deepspeed_checkpoint(spec, folder))
         return made[spec]
 
     return get

@@ -2,20 +2,55 @@
 
 Import them in tests/conftest.py (`from tests.workload_fixtures import *` or by name).
 `deepspeed_checkpoint(world_size, zero_stage, dtype="fp32", steps=2)` trains once per
-distinct argument tuple per session and returns a `TrainedCheckpoint` (its `.path` is the
+distinct argument tuple per test run and returns a `TrainedCheckpoint` (its `.path` is the
 DeepSpeed save dir holding `latest` and `global_step<steps>/`).
+
+Under pytest-xdist the workers share these checkpoints (`built_once`): the first worker to ask for
+one trains it, the others wait for it and read it.
 """
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from filelock import FileLock
 
 from migrate.workload import fixtures
 from migrate.workload.fixtures import TrainedCheckpoint
 
 __all__ = ["deepspeed_checkpoint", "megatron_checkpoint", "megatron_legacy_checkpoint", "fsdp_checkpoint",
-           "workload_extensions_dir"]
+           "workload_extensions_dir", "built_once"]
+
+T = TypeVar("T")
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)`'s result, built once per test run and shared by every xdist worker: the first worker to
+    ask builds into `<run's temp root>/built_once/<name>` under a file lock and records the result beside it
+    (pickled: this run's own objects, read back only by this run's workers); the others wait on the lock and
+    read the record. A build that raised leaves no record, so the next worker to ask builds again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's popen-gwN
+    shared = root / "built_once"
+    shared.mkdir(exist_ok=True)
+    folder, record = shared / name, shared / f"{name}.pickle"
+    with FileLock(str(shared / f"{name}.lock")):
+        if record.exists():
+            return pickle.loads(record.read_bytes())
+        if folder.exists():
+            shutil.rmtree(folder)  # what a build that raised left behind
+        folder.mkdir()
+        result = build(folder)
+        partial = shared / f"{name}.pickle.partial"
+        partial.write_bytes(pickle.dumps(result))
+        partial.replace(record)
+        return result
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +73,8 @@ def deepspeed_checkpoint(tmp_path_factory, workload_extensions_dir):
     def get(world_size: int, zero_stage: int, dtype: str = "fp32", steps: int = 2) -> TrainedCheckpoint:
         key = (world_size, zero_stage, dtype, steps)
         if key not in cache:
-            directory = tmp_path_factory.mktemp(f"ds_ws{world_size}_z{zero_stage}_{dtype}_s{steps}")
-            cache[key] = fixtures.make_deepspeed_checkpoint(directory, world_size, zero_stage, dtype, steps)
+            cache[key] = built_once(tmp_path_factory, f"ds_ws{world_size}_z{zero_stage}_{dtype}_s{steps}",
+                                    lambda folder: fixtures.make_deepspeed_checkpoint(folder, *key))
         return cache[key]
 
     return get
@@ -55,9 +90,9 @@ def megatron_checkpoint(tmp_path_factory):
             global_batch_size: int = 8) -> TrainedCheckpoint:
         key = (tp, pp, dp, ep, moe, steps, global_batch_size)
         if key not in cache:
-            directory = tmp_path_factory.mktemp(f"mcore_tp{tp}_pp{pp}_dp{dp}_ep{ep}")
-            cache[key] = fixtures.make_megatron_checkpoint(directory, tp=tp, pp=pp, dp=dp, ep=ep, moe=moe, steps=steps,
-                                                           global_batch_size=global_batch_size)
+            name = f"mcore_tp{tp}_pp{pp}_dp{dp}_ep{ep}{'_moe' if moe else ''}_s{steps}_gbs{global_batch_size}"
+            cache[key] = built_once(tmp_path_factory, name, lambda folder: fixtures.make_megatron_checkpoint(
+                folder, tp=tp, pp=pp, dp=dp, ep=ep, moe=moe, steps=steps, global_batch_size=global_batch_size))
         return cache[key]
 
     return get
@@ -71,8 +106,9 @@ def fsdp_checkpoint(tmp_path_factory):
     def get(world_size: int, steps: int = 2) -> TrainedCheckpoint:
         key = (world_size, steps)
         if key not in cache:
-            directory = tmp_path_factory.mktemp(f"fsdp_ws{world_size}")
-            cache[key] = fixtures.make_fsdp_checkpoint(directory, world_size=world_size, steps=steps)
+            cache[key] = built_once(tmp_path_factory, f"fsdp_ws{world_size}_s{steps}",
+                                    lambda folder: fixtures.make_fsdp_checkpoint(folder, world_size=world_size,
+                                                                                 steps=steps))
         return cache[key]
 
     return get
@@ -96,14 +132,18 @@ def megatron_legacy_checkpoint(tmp_path_factory):
         key = (tp, pp, dp, distributed_optimizer, global_batch_size, ep, moe, precision)
         if key not in cache:
             kind = ("dist" if distributed_optimizer else "plain") + ("_moe" if moe else "") + f"_{precision}"
-            directory = tmp_path_factory.mktemp(f"mlegacy_tp{tp}_pp{pp}_dp{dp}_ep{ep}_{kind}")
-            spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=4, tp=tp, pp=pp, ep=ep,
-                           save_every=2, distributed_optimizer=distributed_optimizer, checkpoint_format="torch",
-                           save_dir=str(directory), train=TrainSpec(global_batch_size=global_batch_size,
-                                                                    precision=precision))
-            results = launch(spec, tp * pp * dp)
-            cache[key] = TrainedCheckpoint(path=Path(iteration_dir(str(directory), 2)), spec=spec,
-                                           world_size=tp * pp * dp, results=tuple(results))
+
+            def build(folder: Path) -> TrainedCheckpoint:
+                spec = RunSpec(engine="megatron", model=TINY_MIXTRAL if moe else TINY_LLAMA, steps=4, tp=tp, pp=pp,
+                               ep=ep, save_every=2, distributed_optimizer=distributed_optimizer,
+                               checkpoint_format="torch", save_dir=str(folder),
+                               train=TrainSpec(global_batch_size=global_batch_size, precision=precision))
+                results = launch(spec, tp * pp * dp)
+                return TrainedCheckpoint(path=Path(iteration_dir(str(folder), 2)), spec=spec,
+                                         world_size=tp * pp * dp, results=tuple(results))
+
+            cache[key] = built_once(tmp_path_factory,
+                                    f"mlegacy_tp{tp}_pp{pp}_dp{dp}_ep{ep}_{kind}_gbs{global_batch_size}", build)
         return cache[key]
 
     return get

@@ -593,6 +593,8 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout:
     tp, pp, vpp, ep = layout["tp"], layout["pp"], layout["vpp"], layout["ep"]
     moe = arch.num_experts > 0
     param_dtypes = {k: dtype_name(t.properties.dtype) for k, t in tensors.items()}
+    buffers_of: dict[tuple[bool, int, int, int], list] = {}  # one domain's buffers serve its many keys
+    buckets_of: dict[tuple[bool, int, int, int, int], list] = {}
     for key, tmd in tensors.items():
         m = _DPR_RE.match(key)
         if not m:
@@ -602,9 +604,12 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout:
         tp_rank = d % tp
         ep_rank = (d // tp) % ep if experts else 0
         pp_rank = d // (tp * ep) if experts else d // tp
-        buffers = grad_buffers(arch, param_dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank, pp_rank=pp_rank,
-                               ep_rank=ep_rank, experts=experts, bucket_size=layout.get("bucket_size"),
-                               **pipeline_split_of(layout))
+        domain = (experts, tp_rank, pp_rank, ep_rank)
+        if domain not in buffers_of:
+            buffers_of[domain] = grad_buffers(arch, param_dtypes, tp=tp, pp=pp, vpp=vpp, ep=ep, tp_rank=tp_rank,
+                                              pp_rank=pp_rank, ep_rank=ep_rank, experts=experts,
+                                              bucket_size=layout.get("bucket_size"), **pipeline_split_of(layout))
+        buffers = buffers_of[domain]
         if g >= len(buffers):
             raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} but the rules give {len(buffers)} for "
                                         f"tp_rank={tp_rank} pp_rank={pp_rank} ep_rank={ep_rank} "
@@ -614,7 +619,10 @@ def _dp_reshardable_pieces(tensors: Mapping[str, Any], arch: ModelShape, layout:
         if saved_dtype != param_dtype:
             raise CheckpointFormatError(f"{root}: {key}: grad buffer {g} holds {saved_dtype} params but the model "
                                         f"tensors give {param_dtype} for that buffer")
-        buckets = buffer_buckets(params, separate_bucket_keys(arch, pp) if not experts else frozenset(), bucket_size)
+        if (*domain, g) not in buckets_of:
+            buckets_of[(*domain, g)] = buffer_buckets(params, separate_bucket_keys(arch, pp) if not experts
+                                                      else frozenset(), bucket_size)
+        buckets = buckets_of[(*domain, g)]
         if bucket >= len(buckets):
             raise CheckpointFormatError(f"{root}: {key}: bucket {bucket} but the rules give {len(buckets)} bucket(s) "
                                         f"for this grad buffer at bucket size {bucket_size} (from Megatron-LM's "
