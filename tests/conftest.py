@@ -13,7 +13,10 @@ refused at collection; a test that asks for one is marked ``slow``, every accele
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -51,6 +54,41 @@ def _tier(item: pytest.Item) -> str:
     return item.path.parent.name
 
 
+COSTS = Path(__file__).with_name("file_costs.json")
+
+
+def _relative(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _file_costs() -> dict[str, float]:
+    """Seconds each test file took (setup, call and teardown of its tests), as `--record-file-costs` wrote them."""
+    return json.loads(COSTS.read_text()) if COSTS.exists() else {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-file-costs", action="store_true",
+                     help="write each test file's seconds into tests/file_costs.json (the order the files run in)")
+
+
+_seconds_by_file: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds_by_file[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under --record-file-costs the process that sees every test's report (xdist's controller, or the one
+    process under `-n 0`) writes the seconds of the files that ran into tests/file_costs.json (run the whole
+    suite: a file's cost is what its tests took in this run)."""
+    if not session.config.getoption("--record-file-costs") or hasattr(session.config, "workerinput"):
+        return
+    costs = _file_costs()
+    costs.update({path: round(seconds) for path, seconds in _seconds_by_file.items()})
+    COSTS.write_text(json.dumps(dict(sorted(costs.items())), indent=0) + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     misplaced = [f"{item.nodeid} (tier {_tier(item)!r} asks for {sorted(FRAMEWORK_FIXTURES & set(item.fixturenames))})"
                  for item in items if _tier(item) in ("unit", "multiprocess")
@@ -58,9 +96,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     outside = [f"{item.nodeid} (not in a tier's folder: {', '.join(TIERS)})" for item in items if _tier(item) not in TIERS]
     if misplaced or outside:
         raise pytest.UsageError("tests in the wrong tier: " + "; ".join(misplaced + outside))
-    # Files run in the order of their names, not of their tiers: the workers then take heavy framework files and
-    # light ones in turn (all framework files at once on both workers ran 6 min longer and raced for ports).
-    items.sort(key=lambda item: item.path.name)
+    # The costliest files first (tests/file_costs.json; `--no-loadscope-reorder` in addopts keeps this order under
+    # xdist): a worker takes the next file when it is nearly done with its own, so the last files to start are
+    # the short ones and neither worker waits long for the other at the end. Unlisted files count 1 s a test.
+    costs = _file_costs()
+    per_file = Counter(_relative(item) for item in items)
+    items.sort(key=lambda item: (-costs.get(_relative(item), per_file[_relative(item)]), _relative(item)))
     for item in items:
         if _tier(item) == "accelerator":
             item.add_marker(pytest.mark.accelerator)
