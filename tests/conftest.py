@@ -1,8 +1,8 @@
 """Test-session settings and shared fixtures.
 
 Environment: W&B offline and quiet, Ray without auth token, DeepSpeed on the CPU
-accelerator. One embedded Ray cluster per session (``ray_session``): Ray start costs
-seconds, so every Ray test shares it.
+accelerator. One embedded Ray cluster per test file (``ray_session``): Ray start costs
+seconds, so the tests of a file share it.
 
 Tiers, one folder each: ``unit`` (one process), ``multiprocess`` (child processes, no
 framework), ``frameworks`` (checkpoints a real framework wrote or loads), ``accelerator``
