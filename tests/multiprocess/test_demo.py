@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,8 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     configs = tmp_path / "configs"
     configs.mkdir()
-    for name in ("demo_cpu.yaml", "demo_ops.py"):  # the job and the custom operator it registers
-        shutil.copy(REPO / "configs" / name, configs / name)
+    shutil.copy(REPO / "configs" / "demo_ops.py", configs / "demo_ops.py")  # the custom operator the job registers
+    # The job as the README runs it but for one limit. Its step-time tail limit (P99/P50 <= 5) fits an idle 2-core
+    # machine; here the other test worker shares the cores, and its bursts alone took a 50 ms step to 733 ms
+    # (P99/P50 12.8 over 21 steps). Timing belongs to benchmarks, not to assertions: the copy keeps the check with
+    # a limit no shared machine reaches. The limit itself is judged in tests/unit/test_stability_rules.py and
+    # tests/frameworks/test_stability_stage.py.
+    job = yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text())
+    job["stages"]["stability"]["max_jitter"] = 1e6
+    (configs / "demo_cpu.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     migrate_bin = Path(sys.executable).with_name("migrate")
     env = {**os.environ, "WANDB_MODE": "offline"}
     first = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
@@ -58,6 +66,8 @@ def test_demo_job_runs_end_to_end_and_skips_on_rerun(tmp_path):
     stability = json.loads((work / "stability" / "stability.json").read_text())  # rank 1 killed, recovered
     assert stability["passed"] and [r["steps_lost"] for r in stability["recoveries"]] == [1]
     assert {c["code"]: c["passed"] for c in stability["checks"]}["recovery_reference"] is True
+    tail = next(c for c in stability["checks"] if c["code"] == "step_time_tail")  # measured, reported, not judged
+    assert tail["details"]["points"] > 10 and tail["details"]["jitter"] >= 1 and "jitter P99/P50" in tail["reason"]
     assert first.stdout.strip().splitlines()[-1].startswith("PASSED: 9 stage(s) of job demo-cpu; target layout ")
     second = subprocess.run([str(migrate_bin), "run", "configs/demo_cpu.yaml"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
