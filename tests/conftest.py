@@ -57,8 +57,9 @@ def _tier(item: pytest.Item) -> str:
 COSTS = Path(__file__).with_name("file_costs.json")
 
 
-def _relative(item: pytest.Item) -> str:
-    return item.nodeid.split("::")[0]
+def _test_file(nodeid: str) -> str:
+    """The test file of a node id, relative to the root (`tests/unit/test_x.py::test_y[z]` -> `tests/unit/test_x.py`)."""
+    return nodeid.split("::")[0]
 
 
 def _file_costs() -> dict[str, float]:
@@ -75,7 +76,7 @@ _seconds_by_file: Counter[str] = Counter()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _seconds_by_file[report.nodeid.split("::")[0]] += report.duration
+    _seconds_by_file[_test_file(report.nodeid)] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -100,8 +101,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # xdist): a worker takes the next file when it is nearly done with its own, so the last files to start are
     # the short ones and neither worker waits long for the other at the end. Unlisted files count 1 s a test.
     costs = _file_costs()
-    per_file = Counter(_relative(item) for item in items)
-    items.sort(key=lambda item: (-costs.get(_relative(item), per_file[_relative(item)]), _relative(item)))
+    per_file = Counter(_test_file(item.nodeid) for item in items)
+    cost = {path: costs.get(path, count) for path, count in per_file.items()}
+    items.sort(key=lambda item: (-cost[_test_file(item.nodeid)], _test_file(item.nodeid)))
     for item in items:
         if _tier(item) == "accelerator":
             item.add_marker(pytest.mark.accelerator)
